@@ -1,0 +1,1123 @@
+#include "kernels/engine/engine.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "kernels/engine/sha256.h"
+#include "kernels/transport/shm/pair.h"
+#include "kernels/transport/tcp/pair.h"
+
+namespace tf_rdma {
+
+// ---------------------------------------------------------------------------
+// State shared by the threads of the engine.
+
+struct Connection {
+  int fd = -1;
+  std::string peer;          // the peer's task
+  std::string peer_address;  // where the socket goes, for messages
+  bool dialed = false;       // true: we write data, the peer writes credits
+  std::unique_ptr<Pair> pair;
+  std::mutex send_mu;        // one frame at a time on fd
+
+  std::mutex mu;  // guards the fields below
+  std::condition_variable cv;
+  bool dead = false;
+  std::string dead_reason;
+  uint64_t next_request = 1;
+  std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
+  std::set<uint32_t> peer_writable;  // our region ids this peer may write
+};
+
+struct LocalRegion {
+  uint32_t id = 0;
+  std::string name;       // plan region name (credit regions: name + "#credit")
+  std::string plan_hash;
+  std::string peer;       // data: the writer; credit: the reader
+  std::unique_ptr<Region> memory;
+  // Data regions: the writer's connection and its credit region there, set
+  // when the writer opens the region. Guarded by Engine::mu_.
+  std::shared_ptr<Connection> writer;
+  int credit_handle = -1;
+};
+
+struct SendSlot {
+  SlotSpec spec;
+  std::mutex mu;
+  uint64_t claimed = 0;  // last step handed out
+  // Set once by BindSendSlot (under mu), read lock-free after `bound`.
+  std::atomic<bool> bound{false};
+  std::shared_ptr<Connection> conn;
+  int data_handle = -1;
+  Region* credits = nullptr;
+};
+
+struct RecvSlot {
+  SlotSpec spec;
+  std::mutex mu;
+  uint64_t claimed = 0;
+  LocalRegion* region = nullptr;  // set at the first claim
+};
+
+namespace {
+
+const char kHandshakeVersion[] = "TFRDMA/1";
+constexpr size_t kMaxLine = 4096;
+constexpr int kHandshakeTimeoutMs = 10000;
+
+std::string RandomHex(size_t nbytes) {
+  std::vector<uint8_t> buf(nbytes);
+  size_t got = 0;
+  while (got < nbytes) {
+    ssize_t n = getrandom(buf.data() + got, nbytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return ToHex(buf.data(), buf.size());
+}
+
+std::string Proof(const std::string& secret, const std::string& message) {
+  Digest256 d = HmacSha256(secret.data(), secret.size(), message.data(),
+                           message.size());
+  return ToHex(d.data(), d.size());
+}
+
+bool SameProof(const std::string& a, const std::string& b) {
+  return a.size() == b.size() &&
+         ConstantTimeEqual(reinterpret_cast<const uint8_t*>(a.data()),
+                           reinterpret_cast<const uint8_t*>(b.data()),
+                           a.size());
+}
+
+std::vector<std::string> Split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream in(s);
+  while (std::getline(in, cur, sep)) {
+    if (!cur.empty()) out.push_back(cur);
+  }
+  return out;
+}
+
+std::string Join(const std::vector<std::string>& parts, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i) out += sep;
+    out += parts[i];
+  }
+  return out;
+}
+
+std::string ReadFirstLine(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+bool ParseUint(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.size() > 20) return false;
+  uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  *out = v;
+  return true;
+}
+
+Code CodeFromInt(uint64_t c) {
+  if (c > static_cast<uint64_t>(Code::kInternal)) return Code::kInternal;
+  return static_cast<Code>(c);
+}
+
+std::string SlotKey(const SlotSpec& spec) {
+  return spec.region + "@" + std::to_string(spec.offset);
+}
+
+bool SameLayout(const SlotSpec& a, const SlotSpec& b) {
+  return a.peer == b.peer && a.plan_hash == b.plan_hash &&
+         a.region_bytes == b.region_bytes && a.credit_bytes == b.credit_bytes &&
+         a.stride == b.stride && a.nbytes == b.nbytes && a.depth == b.depth &&
+         a.credit_index == b.credit_index;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Config and slot specs.
+
+Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
+  EngineConfig c;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    size_t eq = line.find('=');
+    if (eq == std::string::npos) {
+      return InvalidArgument("engine config line '" + line +
+                             "' is not key=value");
+    }
+    std::string key = line.substr(0, eq), value = line.substr(eq + 1);
+    if (key == "task") {
+      c.task = value;
+    } else if (key == "listen") {
+      c.listen = value;
+    } else if (key == "secret") {
+      c.secret = value;
+    } else if (key == "transport") {
+      if (value != "auto" && value != "shm" && value != "tcp") {
+        return InvalidArgument("transport '" + value +
+                               "' is not one of auto, shm, tcp");
+      }
+      c.transport = value;
+    } else if (key == "timeout_ms") {
+      uint64_t v;
+      if (!ParseUint(value, &v) || v == 0) {
+        return InvalidArgument("timeout_ms '" + value +
+                               "' is not a positive integer");
+      }
+      c.timeout_ms = static_cast<int64_t>(v);
+    } else if (key == "peer") {
+      size_t sp = value.find(' ');
+      if (sp == std::string::npos) {
+        return InvalidArgument("peer line '" + value +
+                               "' is not '<task> <host:port>'");
+      }
+      c.peers[value.substr(0, sp)] = value.substr(sp + 1);
+    } else {
+      return InvalidArgument("unknown engine config key '" + key + "'");
+    }
+  }
+  if (c.task.empty()) return InvalidArgument("engine config has no task");
+  if (c.listen.empty()) return InvalidArgument("engine config has no listen");
+  if (c.secret.empty()) {
+    return InvalidArgument(
+        "no job secret: set TF_RDMA_SECRET to the same value on every task "
+        "(tf-rdma launch does this for you)");
+  }
+  *out = c;
+  return Status::Ok();
+}
+
+Status SlotSpec::Validate() const {
+  std::string what = "tensor '" + tensor_name + "' in region '" + region + "'";
+  if (depth < 1) {
+    return InvalidArgument(what + ": depth " + std::to_string(depth) +
+                           " must be >= 1");
+  }
+  if (stride < kSlotHeaderBytes + nbytes || stride % 64 != 0 ||
+      offset % 64 != 0) {
+    return InvalidArgument(what + ": stride " + std::to_string(stride) +
+                           " / offset " + std::to_string(offset) +
+                           " must be multiples of 64 and stride >= 64 + " +
+                           std::to_string(nbytes) + " bytes");
+  }
+  if (region_bytes % kPageBytes != 0 || credit_bytes % kPageBytes != 0) {
+    return InvalidArgument(what + ": region sizes must be multiples of 4096");
+  }
+  uint64_t end = offset + static_cast<uint64_t>(depth) * stride;
+  if (end > region_bytes) {
+    return InvalidArgument(what + ": slot ends at byte " + std::to_string(end) +
+                           " but the region has only " +
+                           std::to_string(region_bytes) +
+                           " bytes (region too small for the plan)");
+  }
+  uint64_t credit_end =
+      (static_cast<uint64_t>(credit_index) + 1) * depth * kCreditLineBytes;
+  if (credit_index < 0 || credit_end > credit_bytes) {
+    return InvalidArgument(what + ": credit index " +
+                           std::to_string(credit_index) +
+                           " does not fit a credit region of " +
+                           std::to_string(credit_bytes) + " bytes");
+  }
+  return Status::Ok();
+}
+
+std::string SlotSpec::Describe(uint64_t step) const {
+  return "tensor '" + tensor_name + "' (peer " + peer + ", step " +
+         std::to_string(step) + ")";
+}
+
+// ---------------------------------------------------------------------------
+// Start and stop.
+
+Engine* Engine::Get() {
+  static Engine* engine = new Engine();
+  return engine;
+}
+
+namespace {
+// Removes this process's segments from /dev/shm at a normal exit.
+struct UnlinkAtExit {
+  ~UnlinkAtExit() { Engine::Get()->Stop(); }
+} unlink_at_exit;
+}  // namespace
+
+void Engine::Log(const std::string& line) {
+  std::fprintf(stderr, "tf_rdma[%s]: %s\n",
+               config_.task.empty() ? "?" : config_.task.c_str(),
+               line.c_str());
+  std::fflush(stderr);
+}
+
+Status Engine::Start(const EngineConfig& config) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_) {
+    return FailedPrecondition("the tf_rdma endpoint of this process is "
+                              "already running as " + config_.task);
+  }
+  std::string host;
+  int port = 0;
+  TF_RDMA_RETURN_IF_ERROR(SplitHostPort(config.listen, &host, &port));
+  TF_RDMA_RETURN_IF_ERROR(Listen(host, port, &listen_fd_, &listen_port_)
+                              .Prefixed("starting the tf_rdma endpoint"));
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  struct epoll_event ev;
+  std::memset(&ev, 0, sizeof(ev));
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_fd_;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  config_ = config;
+  stopping_ = false;
+  started_ = true;
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  progress_thread_ = std::thread([this] { ProgressLoop(); });
+  return Status::Ok();
+}
+
+void Engine::Stop() {
+  if (!started_.exchange(false)) return;
+  stopping_ = true;
+  shutdown(listen_fd_, SHUT_RDWR);
+  uint64_t one = 1;
+  if (write(wake_fd_, &one, sizeof(one)) < 0) {
+    // The progress thread also wakes up every 100 ms.
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (progress_thread_.joinable()) progress_thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& kv : by_fd_) {
+    std::lock_guard<std::mutex> cl(kv.second->mu);
+    kv.second->dead = true;
+    kv.second->dead_reason = "the local endpoint was stopped";
+    kv.second->cv.notify_all();
+    shutdown(kv.first, SHUT_RDWR);
+  }
+  // Mappings stay valid (tensors may still alias them); the names go.
+  for (auto& region : regions_) region->memory->Unlink();
+  close(listen_fd_);
+}
+
+std::string Engine::Info() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out = "task=" + config_.task + "\n";
+  out += "listen_port=" + std::to_string(listen_port_) + "\n";
+  out += "transport=" + config_.transport + "\n";
+  for (auto& kv : by_fd_) {
+    const Connection& c = *kv.second;
+    out += "pair=" + (c.dialed ? config_.task + " -> " + c.peer
+                               : c.peer + " -> " + config_.task) +
+           " " + c.pair->transport() + "\n";
+  }
+  for (auto& r : regions_) {
+    out += "region=" + r->name + " " + r->memory->shm_name() + " " +
+           std::to_string(r->memory->size()) + "\n";
+  }
+  return out;
+}
+
+std::string Engine::HostId() const {
+  // Same boot of the same kernel and the same network namespace: peers that
+  // share both can map each other's /dev/shm segments. (Network namespaces
+  // count as separate hosts so that veth "hosts" on one machine use tcp.)
+  std::string boot = ReadFirstLine("/proc/sys/kernel/random/boot_id");
+  char netns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  if (n < 0) n = 0;
+  netns[n] = 0;
+  return boot + "/" + std::string(netns);
+}
+
+std::vector<std::string> Engine::AllowedTransports() const {
+  if (config_.transport == "auto") return {"shm", "tcp"};
+  return {config_.transport};
+}
+
+int64_t Engine::TimeoutFor(const SlotSpec& spec) const {
+  return spec.timeout_ms > 0 ? spec.timeout_ms : config_.timeout_ms;
+}
+
+// ---------------------------------------------------------------------------
+// Blocking-work threads.
+
+void Engine::Schedule(std::function<void()> fn) {
+  std::unique_lock<std::mutex> lock(pool_mu_);
+  pool_queue_.push_back(std::move(fn));
+  if (pool_idle_ > 0) {
+    pool_cv_.notify_one();
+    return;
+  }
+  // Every queued item may block until its deadline, so a waiting item must
+  // never sit behind another: start a thread whenever none is idle.
+  std::thread([this] {
+    std::unique_lock<std::mutex> lock(pool_mu_);
+    while (true) {
+      if (pool_queue_.empty()) {
+        ++pool_idle_;
+        bool woke = pool_cv_.wait_for(lock, std::chrono::seconds(30), [this] {
+          return !pool_queue_.empty();
+        });
+        --pool_idle_;
+        if (!woke) return;
+      }
+      std::function<void()> item = std::move(pool_queue_.front());
+      pool_queue_.pop_front();
+      lock.unlock();
+      item();
+      lock.lock();
+    }
+  }).detach();
+}
+
+// ---------------------------------------------------------------------------
+// Bootstrap handshake.
+//
+//   reader (accepts)                          writer (dials)
+//   "TFRDMA/1 CHALLENGE <nonce_r>"      ->
+//                                       <-  "HELLO <writer> <reader> <host id>
+//                                             <transports> <nonce_w> <proof_w>"
+//        proof_w = HMAC(secret, "hello|nonce_r|writer|reader")
+//   "WELCOME <transport> <proof_r>"     ->   (or "DENIED <reason>")
+//        proof_r = HMAC(secret, "welcome|nonce_w|reader|transport")
+//
+// Both sides prove knowledge of the job secret without sending it, over
+// fresh nonces, so a recorded handshake cannot be replayed. Until the
+// writer's proof checks out, the reader has created no state for it: a
+// client with the wrong secret gets nothing written, and is logged.
+
+void Engine::AcceptLoop() {
+  while (!stopping_) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (stopping_) return;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    std::thread([this, fd] { Handshake(fd); }).detach();
+  }
+}
+
+void Engine::Handshake(int fd) {
+  TuneSocket(fd, kHandshakeTimeoutMs);
+  std::string from = PeerAddress(fd);
+  auto deny = [&](const std::string& reason, const std::string& log) {
+    std::string line = "DENIED " + reason + "\n";
+    SendAll(fd, line.data(), line.size());
+    Log("rejected connection from " + from + ": " + log);
+    close(fd);
+  };
+  std::string nonce = RandomHex(32);
+  std::string challenge =
+      std::string(kHandshakeVersion) + " CHALLENGE " + nonce + "\n";
+  if (!SendAll(fd, challenge.data(), challenge.size()).ok()) {
+    close(fd);
+    return;
+  }
+  std::string line;
+  Status s = RecvLine(fd, &line, kMaxLine);
+  if (!s.ok()) {
+    Log("rejected connection from " + from + ": no HELLO (" + s.message() +
+        ")");
+    close(fd);
+    return;
+  }
+  std::vector<std::string> f = Split(line, ' ');
+  if (f.size() != 7 || f[0] != "HELLO") {
+    deny("malformed HELLO", "malformed HELLO '" + line.substr(0, 80) + "'");
+    return;
+  }
+  const std::string &writer = f[1], &reader = f[2], &host = f[3];
+  const std::string &nonce_w = f[5], &proof_w = f[6];
+  if (!SameProof(proof_w, Proof(config_.secret, "hello|" + nonce + "|" +
+                                                    writer + "|" + reader))) {
+    deny("secret proof does not match",
+         "peer claiming to be " + writer +
+             " failed the secret proof (is TF_RDMA_SECRET the same on every "
+             "task?)");
+    return;
+  }
+  if (reader != config_.task) {
+    deny("this endpoint is " + config_.task + ", not " + reader,
+         writer + " dialled " + reader + " but reached " + config_.task +
+             " (check the endpoint addresses)");
+    return;
+  }
+  std::vector<std::string> theirs = Split(f[4], ',');
+  std::string chosen;
+  for (const std::string& t : AllowedTransports()) {
+    if (std::find(theirs.begin(), theirs.end(), t) == theirs.end()) continue;
+    if (t == "shm" && host != HostId()) continue;
+    chosen = t;
+    break;
+  }
+  if (chosen.empty()) {
+    std::string why = "no common transport: " + writer + " allows " + f[4] +
+                      ", " + config_.task + " allows " +
+                      Join(AllowedTransports(), ",") +
+                      (host != HostId() ? " (different hosts)" : "");
+    deny(why, why);
+    return;
+  }
+  std::string welcome = "WELCOME " + chosen + " " +
+                        Proof(config_.secret, "welcome|" + nonce_w + "|" +
+                                                  config_.task + "|" + chosen) +
+                        "\n";
+  if (!SendAll(fd, welcome.data(), welcome.size()).ok()) {
+    close(fd);
+    return;
+  }
+  auto conn = std::make_shared<Connection>();
+  conn->fd = fd;
+  conn->peer = writer;
+  conn->peer_address = from;
+  conn->dialed = false;
+  if (chosen == "shm") {
+    conn->pair.reset(new shm::Pair());
+  } else {
+    conn->pair.reset(new tcp::Pair(fd, &conn->send_mu));
+  }
+  TuneSocket(fd, static_cast<int>(config_.timeout_ms));
+  Log(writer + " -> " + config_.task + " uses " + chosen);
+  AddToProgress(conn);
+}
+
+Status Engine::Dial(const std::string& peer, const Deadline& deadline,
+                    std::shared_ptr<Connection>* out) {
+  auto it = config_.peers.find(peer);
+  if (it == config_.peers.end()) {
+    std::vector<std::string> known;
+    for (auto& kv : config_.peers) known.push_back(kv.first);
+    return InvalidArgument("unknown peer task '" + peer + "'; the cluster has " +
+                           (known.empty() ? "no other tasks"
+                                          : Join(known, ", ")));
+  }
+  std::string host;
+  int port;
+  TF_RDMA_RETURN_IF_ERROR(SplitHostPort(it->second, &host, &port));
+  int fd = -1;
+  TF_RDMA_RETURN_IF_ERROR(
+      ::tf_rdma::Dial(host, port, deadline, &fd)
+          .Prefixed("reaching the endpoint of " + peer + " at " + it->second));
+  TuneSocket(fd, kHandshakeTimeoutMs);
+  auto fail = [&](Status s) {
+    close(fd);
+    return s.Prefixed("handshake with " + peer + " at " + it->second);
+  };
+  std::string line;
+  Status s = RecvLine(fd, &line, kMaxLine);
+  if (!s.ok()) return fail(s);
+  std::vector<std::string> f = Split(line, ' ');
+  if (f.size() != 3 || f[0] != kHandshakeVersion || f[1] != "CHALLENGE") {
+    return fail(Unavailable("not a tf_rdma " + std::string(kHandshakeVersion) +
+                            " endpoint (got '" + line.substr(0, 60) + "')"));
+  }
+  std::string nonce_w = RandomHex(32);
+  std::string hello =
+      "HELLO " + config_.task + " " + peer + " " + HostId() + " " +
+      Join(AllowedTransports(), ",") + " " + nonce_w + " " +
+      Proof(config_.secret, "hello|" + f[2] + "|" + config_.task + "|" + peer) +
+      "\n";
+  s = SendAll(fd, hello.data(), hello.size());
+  if (!s.ok()) return fail(s);
+  s = RecvLine(fd, &line, kMaxLine);
+  if (!s.ok()) return fail(s);
+  if (line.rfind("DENIED ", 0) == 0) {
+    Code code = line.find("secret") != std::string::npos
+                    ? Code::kPermissionDenied
+                    : Code::kFailedPrecondition;
+    return fail(Status(code, "refused: " + line.substr(7)));
+  }
+  f = Split(line, ' ');
+  if (f.size() != 3 || f[0] != "WELCOME" ||
+      !SameProof(f[2], Proof(config_.secret,
+                             "welcome|" + nonce_w + "|" + peer + "|" + f[1]))) {
+    return fail(PermissionDenied(
+        "the peer did not prove knowledge of the job secret"));
+  }
+  auto conn = std::make_shared<Connection>();
+  conn->fd = fd;
+  conn->peer = peer;
+  conn->peer_address = it->second;
+  conn->dialed = true;
+  if (f[1] == "shm") {
+    conn->pair.reset(new shm::Pair());
+  } else if (f[1] == "tcp") {
+    conn->pair.reset(new tcp::Pair(fd, &conn->send_mu));
+  } else {
+    return fail(Unavailable("peer chose unknown transport '" + f[1] + "'"));
+  }
+  TuneSocket(fd, static_cast<int>(config_.timeout_ms));
+  Log(config_.task + " -> " + peer + " uses " + f[1]);
+  AddToProgress(conn);
+  *out = conn;
+  return Status::Ok();
+}
+
+Status Engine::GetConnection(const std::string& peer, const Deadline& deadline,
+                             std::shared_ptr<Connection>* out) {
+  std::mutex* dial_mu;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& m = dial_mu_[peer];
+    if (!m) m.reset(new std::mutex());
+    dial_mu = m.get();
+  }
+  std::lock_guard<std::mutex> dial_lock(*dial_mu);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = dialed_.find(peer);
+    if (it != dialed_.end()) {
+      *out = it->second;
+      return Status::Ok();
+    }
+  }
+  std::shared_ptr<Connection> conn;
+  TF_RDMA_RETURN_IF_ERROR(Dial(peer, deadline, &conn));
+  std::lock_guard<std::mutex> lock(mu_);
+  dialed_[peer] = conn;
+  *out = conn;
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// The progress thread: reads every frame that arrives on any connection.
+
+void Engine::AddToProgress(const std::shared_ptr<Connection>& conn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    by_fd_[conn->fd] = conn;
+  }
+  struct epoll_event ev;
+  std::memset(&ev, 0, sizeof(ev));
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.fd = conn->fd;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn->fd, &ev);
+}
+
+void Engine::ProgressLoop() {
+  struct epoll_event events[32];
+  while (!stopping_) {
+    int n = epoll_wait(epoll_fd_, events, 32, 100);
+    for (int i = 0; i < n && !stopping_; ++i) {
+      if (events[i].data.fd == wake_fd_) continue;
+      std::shared_ptr<Connection> conn;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = by_fd_.find(events[i].data.fd);
+        if (it == by_fd_.end()) continue;
+        conn = it->second;
+      }
+      HandleFrame(conn);
+    }
+  }
+}
+
+void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (conn->dead) return;
+  }
+  FrameHeader h;
+  Status s = RecvAll(conn->fd, &h, sizeof(h));
+  if (s.ok() && h.magic != kFrameMagic) {
+    s = InvalidArgument("bad frame magic from " + conn->peer);
+  }
+  if (s.ok() && h.type == kWrite) {
+    s = tcp::ApplyWrite(conn->fd, h, [this, &conn](uint32_t id) {
+      return RegionForPeer(*conn, id);
+    });
+    if (!s.ok()) {
+      Log("rejected write from " + conn->peer + ": " + s.message());
+    }
+  } else if (s.ok() && (h.type == kOpenRequest || h.type == kOpenReply)) {
+    if (h.b > kMaxBodyBytes) {
+      s = InvalidArgument("frame body of " + std::to_string(h.b) + " bytes");
+    } else {
+      std::string body(h.b, '\0');
+      s = RecvAll(conn->fd, &body[0], body.size());
+      if (s.ok() && h.type == kOpenRequest) {
+        HandleOpen(conn, h.a, body);
+      } else if (s.ok()) {
+        std::lock_guard<std::mutex> lock(conn->mu);
+        conn->replies[h.a] = {h, body};
+        conn->cv.notify_all();
+      }
+    }
+  } else if (s.ok()) {
+    s = InvalidArgument("unknown frame type " + std::to_string(h.type));
+  }
+  if (!s.ok()) CloseConnection(conn, s);
+}
+
+void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
+                             const Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (conn->dead) return;
+    conn->dead = true;
+    conn->dead_reason = why.message();
+    conn->cv.notify_all();
+  }
+  if (!stopping_) {
+    Log("lost connection " +
+        (conn->dialed ? config_.task + " -> " + conn->peer
+                      : conn->peer + " -> " + config_.task) +
+        ": " + why.message());
+  }
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd, nullptr);
+  shutdown(conn->fd, SHUT_RDWR);
+  // The fd stays open (and in by_fd_) until process exit so that its number
+  // is not reused under a thread still holding the connection.
+}
+
+Status Engine::CheckPeerAlive(const std::shared_ptr<Connection>& conn,
+                              const std::string& what) {
+  if (!conn) return Status::Ok();
+  std::lock_guard<std::mutex> lock(conn->mu);
+  if (!conn->dead) return Status::Ok();
+  return Unavailable(what + ": the connection to " + conn->peer +
+                     " was lost (" + conn->dead_reason + ")");
+}
+
+Status Engine::SendFrame(const std::shared_ptr<Connection>& conn,
+                         const FrameHeader& h, const std::string& body) {
+  struct iovec iov[2];
+  iov[0].iov_base = const_cast<FrameHeader*>(&h);
+  iov[0].iov_len = sizeof(h);
+  iov[1].iov_base = const_cast<char*>(body.data());
+  iov[1].iov_len = body.size();
+  std::lock_guard<std::mutex> lock(conn->send_mu);
+  return SendAllv(conn->fd, iov, body.empty() ? 1 : 2);
+}
+
+Status Engine::Request(const std::shared_ptr<Connection>& conn,
+                       const std::map<std::string, std::string>& fields,
+                       const Deadline& deadline,
+                       std::map<std::string, std::string>* reply) {
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    id = conn->next_request++;
+  }
+  std::string body = EncodeFields(fields);
+  FrameHeader h;
+  h.type = kOpenRequest;
+  h.a = id;
+  h.b = body.size();
+  TF_RDMA_RETURN_IF_ERROR(SendFrame(conn, h, body));
+  std::unique_lock<std::mutex> lock(conn->mu);
+  while (true) {
+    auto it = conn->replies.find(id);
+    if (it != conn->replies.end()) {
+      FrameHeader rh = it->second.first;
+      std::string rbody = it->second.second;
+      conn->replies.erase(it);
+      if (rh.c != 0) return Status(CodeFromInt(rh.c), rbody);
+      *reply = DecodeFields(rbody);
+      return Status::Ok();
+    }
+    if (conn->dead) {
+      return Unavailable("connection to " + conn->peer + " lost (" +
+                         conn->dead_reason + ")");
+    }
+    if (deadline.Expired()) {
+      return DeadlineExceeded("no answer from " + conn->peer + " after " +
+                              std::to_string(deadline.timeout_ms()) + " ms");
+    }
+    conn->cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Regions.
+
+Status Engine::NewLocalRegion(const std::string& name, uint64_t size,
+                              const std::string& plan_hash,
+                              const std::string& peer, LocalRegion** out) {
+  // Caller holds mu_.
+  std::unique_ptr<Region> memory;
+  TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory));
+  auto region = std::make_unique<LocalRegion>();
+  region->id = static_cast<uint32_t>(regions_.size());
+  region->name = name;
+  region->plan_hash = plan_hash;
+  region->peer = peer;
+  region->memory = std::move(memory);
+  *out = region.get();
+  regions_.push_back(std::move(region));
+  return Status::Ok();
+}
+
+Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
+                                      const std::string& plan_hash,
+                                      const std::string& writer,
+                                      LocalRegion** out) {
+  // Caller holds mu_.
+  auto it = data_regions_.find(name);
+  if (it != data_regions_.end()) {
+    LocalRegion* r = it->second;
+    if (r->plan_hash != plan_hash) {
+      return FailedPrecondition(
+          "plan hash mismatch for region '" + name + "': one side has plan " +
+          r->plan_hash + ", the other has plan " + plan_hash +
+          " (both tasks must run the same plan)");
+    }
+    if (r->memory->size() != size || r->peer != writer) {
+      return FailedPrecondition(
+          "region '" + name + "' was set up with " +
+          std::to_string(r->memory->size()) + " bytes written by " + r->peer +
+          ", now asked for " + std::to_string(size) + " bytes written by " +
+          writer);
+    }
+    *out = r;
+    return Status::Ok();
+  }
+  TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(name, size, plan_hash, writer, out));
+  data_regions_[name] = *out;
+  return Status::Ok();
+}
+
+Region* Engine::RegionForPeer(const Connection& conn, uint32_t id) {
+  {
+    std::lock_guard<std::mutex> lock(const_cast<Connection&>(conn).mu);
+    if (!conn.peer_writable.count(id)) return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return id < regions_.size() ? regions_[id]->memory.get() : nullptr;
+}
+
+void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
+                        uint64_t request_id, const std::string& body) {
+  auto f = DecodeFields(body);
+  uint64_t size = 0, credit_size = 0, credit_id = 0;
+  Status s;
+  if (!ParseUint(f["size"], &size) || !ParseUint(f["credit_size"], &credit_size) ||
+      !ParseUint(f["credit_id"], &credit_id) || f["name"].empty()) {
+    s = InvalidArgument("malformed OPEN request from " + conn->peer);
+  }
+  std::map<std::string, std::string> reply;
+  if (s.ok() && conn->dialed) {
+    s = FailedPrecondition("OPEN request on a connection we dialled");
+  }
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    LocalRegion* region = nullptr;
+    s = FindOrCreateDataRegion(f["name"], size, f["plan_hash"], conn->peer,
+                               &region);
+    if (s.ok() && region->writer && region->writer != conn) {
+      s = FailedPrecondition("region '" + f["name"] +
+                             "' already has a connected writer");
+    }
+    if (s.ok() && !region->writer) {
+      RegionDescriptor credits;
+      credits.id = static_cast<uint32_t>(credit_id);
+      credits.size = credit_size;
+      credits.shm_name = f["credit_shm"];
+      int handle = -1;
+      s = conn->pair->AddRemoteRegion(credits, &handle);
+      if (s.ok()) {
+        region->writer = conn;
+        region->credit_handle = handle;
+      }
+    }
+    if (s.ok()) {
+      std::lock_guard<std::mutex> cl(conn->mu);
+      conn->peer_writable.insert(region->id);
+      reply["id"] = std::to_string(region->id);
+      reply["size"] = std::to_string(region->memory->size());
+      reply["shm"] = region->memory->shm_name();
+    }
+  }
+  FrameHeader h;
+  h.type = kOpenReply;
+  h.a = request_id;
+  std::string rbody = s.ok() ? EncodeFields(reply) : s.message();
+  h.b = rbody.size();
+  h.c = static_cast<uint64_t>(s.code());
+  if (!s.ok()) Log("refused region for " + conn->peer + ": " + s.message());
+  Status sent = SendFrame(conn, h, rbody);
+  if (!sent.ok()) CloseConnection(conn, sent);
+}
+
+// ---------------------------------------------------------------------------
+// Send.
+
+Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
+  if (!started_) {
+    return FailedPrecondition(
+        "the tf_rdma endpoint is not running in this process; start a "
+        "tf_rdma.Server (or tf_rdma.start_endpoint) for this task first");
+  }
+  SendSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& entry = send_slots_[SlotKey(spec)];
+    if (!entry) {
+      TF_RDMA_RETURN_IF_ERROR(spec.Validate());
+      if (spec.peer == config_.task) {
+        return InvalidArgument("tensor '" + spec.tensor_name +
+                               "' is sent to its own task " + spec.peer);
+      }
+      entry.reset(new SendSlot());
+      entry->spec = spec;
+    } else if (!SameLayout(entry->spec, spec)) {
+      return InvalidArgument("tensor '" + spec.tensor_name +
+                             "' uses the slot at offset " +
+                             std::to_string(spec.offset) + " of region '" +
+                             spec.region + "' with a different layout than "
+                             "tensor '" + entry->spec.tensor_name + "'");
+    }
+    slot = entry.get();
+  }
+  std::lock_guard<std::mutex> lock(slot->mu);
+  ticket->slot = slot;
+  ticket->step = ++slot->claimed;
+  return Status::Ok();
+}
+
+Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
+  std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->bound) return Status::Ok();
+  const SlotSpec& spec = slot->spec;
+  std::shared_ptr<Connection> conn;
+  TF_RDMA_RETURN_IF_ERROR(GetConnection(spec.peer, deadline, &conn));
+  // Several slots share a region; the first one opens it.
+  LocalRegion* credits = nullptr;
+  int data_handle = -1;
+  {
+    std::lock_guard<std::mutex> elock(mu_);
+    for (auto& other : send_slots_) {
+      SendSlot* o = other.second.get();
+      if (o != slot && o->bound && o->spec.region == spec.region) {
+        slot->conn = o->conn;
+        slot->data_handle = o->data_handle;
+        slot->credits = o->credits;
+        slot->bound = true;
+        return Status::Ok();
+      }
+    }
+    TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(spec.region + "#credit",
+                                           spec.credit_bytes, spec.plan_hash,
+                                           spec.peer, &credits));
+  }
+  {
+    std::lock_guard<std::mutex> cl(conn->mu);
+    conn->peer_writable.insert(credits->id);
+  }
+  std::map<std::string, std::string> reply;
+  TF_RDMA_RETURN_IF_ERROR(Request(
+      conn,
+      {{"name", spec.region},
+       {"size", std::to_string(spec.region_bytes)},
+       {"plan_hash", spec.plan_hash},
+       {"credit_id", std::to_string(credits->id)},
+       {"credit_size", std::to_string(credits->memory->size())},
+       {"credit_shm", credits->memory->shm_name()}},
+      deadline, &reply));
+  RegionDescriptor data;
+  uint64_t id = 0;
+  ParseUint(reply["id"], &id);
+  data.id = static_cast<uint32_t>(id);
+  ParseUint(reply["size"], &data.size);
+  data.shm_name = reply["shm"];
+  TF_RDMA_RETURN_IF_ERROR(conn->pair->AddRemoteRegion(data, &data_handle));
+  slot->conn = conn;
+  slot->data_handle = data_handle;
+  slot->credits = credits->memory.get();
+  slot->bound = true;
+  return Status::Ok();
+}
+
+namespace {
+
+uint64_t CopyOf(const SlotSpec& spec, uint64_t step) {
+  return (step - 1) % static_cast<uint64_t>(spec.depth);
+}
+
+std::atomic<uint64_t>* CreditWord(Region* credits, const SlotSpec& spec,
+                                  uint64_t step) {
+  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth +
+                  CopyOf(spec, step);
+  return credits->Word(line * kCreditLineBytes);
+}
+
+// The credit value that frees the copy for `step`.
+uint64_t CreditNeeded(const SlotSpec& spec, uint64_t step) {
+  return step > static_cast<uint64_t>(spec.depth) ? step - spec.depth : 0;
+}
+
+}  // namespace
+
+bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
+                        Status* status) {
+  SendSlot* slot = ticket.slot;
+  if (!slot->bound.load(std::memory_order_acquire)) return false;
+  const SlotSpec& spec = slot->spec;
+  if (CreditWord(slot->credits, spec, ticket.step)
+          ->load(std::memory_order_acquire) < CreditNeeded(spec, ticket.step)) {
+    return false;
+  }
+  *status = FinishSend(ticket, data);
+  return true;
+}
+
+Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
+  SendSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  std::string what = "tf_rdma send of " + spec.Describe(ticket.step);
+  Deadline deadline(TimeoutFor(spec));
+  Status s = BindSendSlot(slot, deadline);
+  if (!s.ok()) {
+    return s.code() == Code::kDeadlineExceeded
+               ? DeadlineExceeded(what + ": " + s.message())
+               : s.Prefixed(what);
+  }
+  s = WaitForWord(CreditWord(slot->credits, spec, ticket.step),
+                  CreditNeeded(spec, ticket.step), deadline,
+                  [&] { return CheckPeerAlive(slot->conn, what); });
+  if (!s.ok()) {
+    if (s.code() == Code::kDeadlineExceeded) {
+      return DeadlineExceeded(
+          what + ": " + s.message() + " waiting for the receiver to release "
+          "the slot it used at step " +
+          std::to_string(CreditNeeded(spec, ticket.step)));
+    }
+    return s;
+  }
+  uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
+  s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes, data,
+                              spec.nbytes, copy, ticket.step);
+  if (!s.ok()) {
+    Status alive = CheckPeerAlive(slot->conn, what);
+    return alive.ok() ? s.Prefixed(what) : alive;
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Recv.
+
+Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
+  if (!started_) {
+    return FailedPrecondition(
+        "the tf_rdma endpoint is not running in this process; start a "
+        "tf_rdma.Server (or tf_rdma.start_endpoint) for this task first");
+  }
+  RecvSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& entry = recv_slots_[SlotKey(spec)];
+    if (!entry) {
+      TF_RDMA_RETURN_IF_ERROR(spec.Validate());
+      if (spec.peer == config_.task) {
+        return InvalidArgument("tensor '" + spec.tensor_name +
+                               "' is received from its own task " + spec.peer);
+      }
+      LocalRegion* region = nullptr;
+      TF_RDMA_RETURN_IF_ERROR(FindOrCreateDataRegion(
+          spec.region, spec.region_bytes, spec.plan_hash, spec.peer, &region));
+      entry.reset(new RecvSlot());
+      entry->spec = spec;
+      entry->region = region;
+    } else if (!SameLayout(entry->spec, spec)) {
+      return InvalidArgument("tensor '" + spec.tensor_name +
+                             "' uses the slot at offset " +
+                             std::to_string(spec.offset) + " of region '" +
+                             spec.region + "' with a different layout than "
+                             "tensor '" + entry->spec.tensor_name + "'");
+    }
+    slot = entry.get();
+  }
+  std::lock_guard<std::mutex> lock(slot->mu);
+  ticket->slot = slot;
+  ticket->step = ++slot->claimed;
+  return Status::Ok();
+}
+
+bool Engine::TryRecvNow(RecvTicket* ticket) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
+  Region* memory = slot->region->memory.get();
+  if (memory->Word(copy)->load(std::memory_order_acquire) < ticket->step) {
+    return false;
+  }
+  ticket->payload = memory->data() + copy + kSlotHeaderBytes;
+  return true;
+}
+
+Status Engine::FinishRecv(RecvTicket* ticket) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
+  uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
+  Region* memory = slot->region->memory.get();
+  Deadline deadline(TimeoutFor(spec));
+  Status s = WaitForWord(memory->Word(copy), ticket->step, deadline, [&] {
+    std::shared_ptr<Connection> writer;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writer = slot->region->writer;
+    }
+    return CheckPeerAlive(writer, what);
+  });
+  if (!s.ok()) {
+    if (s.code() == Code::kDeadlineExceeded) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return DeadlineExceeded(
+          what + ": " + s.message() + " waiting for the data" +
+          (slot->region->writer ? "" : " (the peer never connected)"));
+    }
+    return s;
+  }
+  ticket->payload = memory->data() + copy + kSlotHeaderBytes;
+  return Status::Ok();
+}
+
+void Engine::Release(const RecvTicket& ticket) {
+  RecvSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  std::shared_ptr<Connection> writer;
+  int handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer = slot->region->writer;
+    handle = slot->region->credit_handle;
+  }
+  if (!writer || stopping_) return;
+  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth +
+                  CopyOf(spec, ticket.step);
+  Status s = writer->pair->Write(handle, 0, nullptr, 0,
+                                 line * kCreditLineBytes, ticket.step);
+  if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
+    Log("could not return the credit of " + spec.Describe(ticket.step) + ": " +
+        s.message());
+  }
+}
+
+}  // namespace tf_rdma

@@ -1,0 +1,204 @@
+// The engine: one per process. It owns the endpoint (listener + progress
+// thread), the connections to peers, the regions, and the per-slot step
+// counters; the send/recv ops call into it.
+//
+// Protocol of a slot (one planned transfer, `depth` copies in the reader's
+// region, each copy = 64-byte header whose first word is the sequence word,
+// then the payload; see graph_passes/plan.py for the layout):
+//
+//   writer, step s (s = 1, 2, ...):  copy c = (s-1) % depth
+//     1. wait until credit[c] >= s - depth   (the tensor that used copy c
+//        at step s-depth was released by the reader; trivially true for the
+//        first `depth` steps)
+//     2. Write(payload -> copy c, notice: seq word of copy c = s)
+//   reader, step s:
+//     1. wait until seq[c] >= s
+//     2. hand copy c's payload to TensorFlow as the output tensor (no copy)
+//     3. when the last reference to that tensor is dropped:
+//        Write(no payload, notice: the writer's credit[c] = s)
+//
+// The credit words live in a small region of the writer's, so credits travel
+// exactly like data: a one-sided write with a notice. Nothing on either side
+// ever blocks without a deadline, and a dead peer fails every wait on it.
+#ifndef TF_RDMA_ENGINE_ENGINE_H_
+#define TF_RDMA_ENGINE_ENGINE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/engine/region.h"
+#include "kernels/engine/status.h"
+#include "kernels/engine/wait.h"
+#include "kernels/engine/wire.h"
+#include "kernels/transport/transport.h"
+
+namespace tf_rdma {
+
+constexpr uint64_t kSlotHeaderBytes = 64;
+constexpr uint64_t kCreditLineBytes = 64;
+
+struct EngineConfig {
+  std::string task;               // this process, "/job:worker/task:0"
+  std::string listen;             // "host:port" of the endpoint (port 0: any)
+  std::string secret;             // the job secret (TF_RDMA_SECRET)
+  std::string transport = "auto";  // auto | shm | tcp
+  int64_t timeout_ms = 60000;     // default bound of every wait
+  std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
+
+  // Parses "key=value" lines; "peer=<task> <host:port>" may repeat.
+  static Status Parse(const std::string& text, EngineConfig* out);
+};
+
+// Everything an op knows about its slot: its attributes, i.e. the plan.
+struct SlotSpec {
+  std::string tensor_name;
+  std::string peer;        // the other end's task
+  std::string region;      // the plan's region name
+  std::string plan_hash;
+  uint64_t region_bytes = 0;
+  uint64_t credit_bytes = 0;
+  uint64_t offset = 0;
+  uint64_t stride = 0;
+  uint64_t nbytes = 0;
+  int64_t depth = 2;
+  int64_t credit_index = 0;
+  int64_t timeout_ms = -1;  // < 0: the engine's default
+
+  // Checks that the slot fits its region and its credit line fits the credit
+  // region; the message names the values.
+  Status Validate() const;
+  // "tensor 'x' (peer /job:worker/task:1, step 7)" for error messages.
+  std::string Describe(uint64_t step) const;
+};
+
+struct Connection;
+struct LocalRegion;
+struct SendSlot;
+struct RecvSlot;
+
+// A claimed step of a send: which copy, and where the payload goes.
+struct SendTicket {
+  SendSlot* slot = nullptr;
+  uint64_t step = 0;
+};
+
+// A claimed step of a recv.
+struct RecvTicket {
+  RecvSlot* slot = nullptr;
+  uint64_t step = 0;
+  uint8_t* payload = nullptr;  // valid once FinishRecv returned ok
+};
+
+class Engine {
+ public:
+  // The process's engine. It is never destroyed (tensors may alias its
+  // regions until the process ends); Stop() releases what others can see.
+  static Engine* Get();
+
+  Status Start(const EngineConfig& config);
+  // Closes connections and removes this process's segments from /dev/shm.
+  void Stop();
+  bool started() const { return started_.load(); }
+  const EngineConfig& config() const { return config_; }
+  int listen_port() const { return listen_port_; }
+  // "key=value" lines: task, listen port, one "pair=" line per connection.
+  std::string Info();
+
+  // Send: ClaimSend in op order, then FinishSend (may block, bounded).
+  // TrySendNow does it all without blocking if the slot is connected and
+  // the credit is already there; returns false if it would have to wait.
+  Status ClaimSend(const SlotSpec& spec, SendTicket* ticket);
+  bool TrySendNow(const SendTicket& ticket, const void* data, Status* status);
+  Status FinishSend(const SendTicket& ticket, const void* data);
+
+  // Recv: ClaimRecv, then FinishRecv (may block, bounded); TryRecvNow
+  // succeeds only if the data is already there. After a successful finish
+  // the caller owns the slot copy until it calls Release.
+  Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket);
+  bool TryRecvNow(RecvTicket* ticket);
+  Status FinishRecv(RecvTicket* ticket);
+  void Release(const RecvTicket& ticket);
+
+  // Runs `fn` on an engine thread that may block (in bounded waits).
+  void Schedule(std::function<void()> fn);
+
+  void Log(const std::string& line);
+
+ private:
+  Engine() = default;
+
+  // Connections.
+  Status GetConnection(const std::string& peer, const Deadline& deadline,
+                       std::shared_ptr<Connection>* out);
+  Status Dial(const std::string& peer, const Deadline& deadline,
+              std::shared_ptr<Connection>* out);
+  void AcceptLoop();
+  void Handshake(int fd);
+  void ProgressLoop();
+  void AddToProgress(const std::shared_ptr<Connection>& conn);
+  void HandleFrame(const std::shared_ptr<Connection>& conn);
+  void CloseConnection(const std::shared_ptr<Connection>& conn,
+                       const Status& why);
+  Status Request(const std::shared_ptr<Connection>& conn,
+                 const std::map<std::string, std::string>& fields,
+                 const Deadline& deadline,
+                 std::map<std::string, std::string>* reply);
+  void HandleOpen(const std::shared_ptr<Connection>& conn, uint64_t request_id,
+                  const std::string& body);
+  Status SendFrame(const std::shared_ptr<Connection>& conn,
+                   const FrameHeader& h, const std::string& body);
+
+  // Regions and slots.
+  Status FindOrCreateDataRegion(const std::string& name, uint64_t size,
+                                const std::string& plan_hash,
+                                const std::string& writer, LocalRegion** out);
+  Status NewLocalRegion(const std::string& name, uint64_t size,
+                        const std::string& plan_hash, const std::string& peer,
+                        LocalRegion** out);
+  Region* RegionForPeer(const Connection& conn, uint32_t id);
+  Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
+  Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
+                        const std::string& what);
+  int64_t TimeoutFor(const SlotSpec& spec) const;
+  std::string HostId() const;
+  std::vector<std::string> AllowedTransports() const;
+
+  EngineConfig config_;
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopping_{false};
+  int listen_fd_ = -1;
+  int listen_port_ = 0;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread accept_thread_;
+  std::thread progress_thread_;
+
+  std::mutex mu_;  // guards everything below
+  std::map<std::string, std::shared_ptr<Connection>> dialed_;  // by peer task
+  std::map<std::string, std::unique_ptr<std::mutex>> dial_mu_;
+  std::map<int, std::shared_ptr<Connection>> by_fd_;
+  std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
+  std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
+  std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;
+  std::map<std::string, std::unique_ptr<RecvSlot>> recv_slots_;
+
+  // Blocking-work threads (Schedule); grows on demand, idle threads exit.
+  std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::deque<std::function<void()>> pool_queue_;
+  int pool_idle_ = 0;
+};
+
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_ENGINE_ENGINE_H_

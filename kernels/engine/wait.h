@@ -1,0 +1,59 @@
+// Bounded waiting on a 64-bit notice word.
+//
+// Every wait in tf_rdma is a wait for a 64-bit word in a region to reach a
+// value: a receiver waits for the sequence word of a slot copy to reach the
+// step it expects, a sender waits for the credit word of a copy to say that
+// the tensor which last used that copy was released. Writers (a memcpy by the
+// peer over shared memory, the progress thread for TCP) publish the word with
+// a release store and then wake sleepers.
+//
+// The waiter spins for a few microseconds first (a transfer that is already in
+// flight usually lands within that time, and a futex round trip costs more),
+// then sleeps on a futex keyed on the low 32 bits of the word, so an idle wait
+// burns no CPU. The futex is process-shared, so it works on a word in a shared
+// mapping that another process writes. Sleeps are cut into slices of at most
+// 50 ms so that a dead peer (`check`) or the deadline ends the wait promptly
+// even if nobody ever wakes us.
+#ifndef TF_RDMA_ENGINE_WAIT_H_
+#define TF_RDMA_ENGINE_WAIT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+
+#include "kernels/engine/status.h"
+
+namespace tf_rdma {
+
+using Clock = std::chrono::steady_clock;
+
+// A point in time after which a wait gives up.
+class Deadline {
+ public:
+  explicit Deadline(int64_t timeout_ms)
+      : timeout_ms_(timeout_ms),
+        at_(Clock::now() + std::chrono::milliseconds(timeout_ms)) {}
+  bool Expired() const { return Clock::now() >= at_; }
+  int64_t timeout_ms() const { return timeout_ms_; }
+  // Milliseconds left, never negative.
+  int64_t RemainingMs() const;
+
+ private:
+  int64_t timeout_ms_;
+  Clock::time_point at_;
+};
+
+// Returns the word's value once it is >= target (acquire ordering), or
+// DeadlineExceeded / the first non-ok status of `check` (called about every
+// 50 ms while sleeping; may be empty).
+Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
+                   const Deadline& deadline,
+                   const std::function<Status()>& check);
+
+// Stores `value` with release ordering and wakes every sleeper on the word.
+void PublishWord(std::atomic<uint64_t>* word, uint64_t value);
+
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_ENGINE_WAIT_H_

@@ -1,0 +1,81 @@
+// The control connection's wire format and socket helpers.
+//
+// Each directed pair of tasks (writer -> reader) has one TCP connection,
+// dialled by the writer to the reader's endpoint. It starts with a text
+// handshake (engine.cc: challenge, HELLO with an HMAC proof of the job
+// secret, WELCOME with the reader's proof and the chosen transport), then
+// carries binary frames in both directions:
+//
+//   FrameHeader (48 bytes, little-endian) [+ body]
+//   OPEN_REQUEST  writer -> reader: a=request id, b=body bytes; body is
+//                 "key=value\n" lines: the region's plan name, size and plan
+//                 hash, and the descriptor of the writer's credit region.
+//   OPEN_REPLY    reader -> writer: a=request id, b=body bytes, c=status
+//                 code; body is the reader's region descriptor, or an error.
+//   WRITE         either way (tcp transport only): a=region id, b=offset,
+//                 c=payload bytes, d=notice offset, e=seq; payload follows.
+//
+// The format is plain on purpose: a test (or a curious engineer) can speak
+// it from Python with the socket and hmac modules.
+#ifndef TF_RDMA_ENGINE_WIRE_H_
+#define TF_RDMA_ENGINE_WIRE_H_
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "kernels/engine/status.h"
+#include "kernels/engine/wait.h"
+
+namespace tf_rdma {
+
+constexpr uint32_t kFrameMagic = 0x44524654;  // "TFRD"
+
+enum FrameType : uint16_t {
+  kOpenRequest = 1,
+  kOpenReply = 2,
+  kWrite = 3,
+};
+
+struct FrameHeader {
+  uint32_t magic = kFrameMagic;
+  uint16_t type = 0;
+  uint16_t flags = 0;
+  uint64_t a = 0, b = 0, c = 0, d = 0, e = 0;
+};
+static_assert(sizeof(FrameHeader) == 48, "FrameHeader is 48 bytes on the wire");
+
+// Largest body of an OPEN frame; anything bigger is a protocol error.
+constexpr uint64_t kMaxBodyBytes = 64 * 1024;
+
+Status SendAll(int fd, const void* data, size_t nbytes);
+Status SendAllv(int fd, struct iovec* iov, int iovcnt);
+// Unavailable("connection closed by peer") on EOF.
+Status RecvAll(int fd, void* data, size_t nbytes);
+// Reads one '\n'-terminated line (without the '\n'), at most max_bytes.
+Status RecvLine(int fd, std::string* line, size_t max_bytes);
+
+// Listens on host:port (port 0: any); returns the fd and the bound port.
+Status Listen(const std::string& host, int port, int* fd, int* bound_port);
+// Connects to host:port, retrying refused connections until the deadline
+// (the peer's endpoint may not be up yet).
+Status Dial(const std::string& host, int port, const Deadline& deadline,
+            int* fd);
+// TCP_NODELAY, large buffers, and a receive timeout so that a peer that
+// stalls mid-frame cannot block the progress thread forever.
+void TuneSocket(int fd, int recv_timeout_ms);
+std::string PeerAddress(int fd);
+
+// "key=value\n" bodies.
+std::string EncodeFields(const std::map<std::string, std::string>& fields);
+std::map<std::string, std::string> DecodeFields(const std::string& body);
+
+// Splits "host:port" / "[v6]:port".
+Status SplitHostPort(const std::string& address, std::string* host,
+                     int* port);
+
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_ENGINE_WIRE_H_

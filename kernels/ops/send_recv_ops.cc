@@ -1,0 +1,231 @@
+// TfRdmaSend / TfRdmaRecv: the ops that replace a cross-task edge.
+//
+// Both carry the slot's place in the plan as attributes (region, offset,
+// stride, depth, credit index, sizes, plan hash) so that each op is
+// self-contained: the first op to run on either side sets up the region and
+// the connection, later runs only move data. Both are asynchronous kernels:
+// the common case (credit or data already there) completes inline, anything
+// that must wait moves to an engine thread, so TensorFlow's inter-op threads
+// never block on a peer.
+#include "kernels/engine/engine.h"
+#include "kernels/ops/slot_buffer.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_rdma {
+namespace {
+
+using tensorflow::AsyncOpKernel;
+using tensorflow::DataType;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::shape_inference::InferenceContext;
+
+// Dtypes whose tensors are plain bytes (DataTypeCanUseMemcpy).
+#define TF_RDMA_TYPES                                                      \
+  "{half, bfloat16, float, double, int8, int16, int32, int64, uint8, "     \
+  "uint16, uint32, uint64, bool, complex64, complex128}"
+
+#define TF_RDMA_SLOT_ATTRS                                                 \
+  .Attr("tensor_name: string")                                             \
+      .Attr("peer: string")                                                \
+      .Attr("region: string")                                              \
+      .Attr("plan_hash: string")                                           \
+      .Attr("region_bytes: int >= 4096")                                   \
+      .Attr("credit_bytes: int >= 4096")                                   \
+      .Attr("offset: int >= 0")                                            \
+      .Attr("stride: int >= 64")                                           \
+      .Attr("depth: int >= 1 = 2")                                         \
+      .Attr("credit_index: int >= 0")                                      \
+      .Attr("shape: shape")                                                \
+      .Attr("timeout_ms: int = -1")
+
+absl::Status ToTf(const Status& s) {
+  switch (s.code()) {
+    case Code::kOk:
+      return absl::OkStatus();
+    case Code::kInvalidArgument:
+      return absl::InvalidArgumentError(s.message());
+    case Code::kDeadlineExceeded:
+      return absl::DeadlineExceededError(s.message());
+    case Code::kUnavailable:
+      return absl::UnavailableError(s.message());
+    case Code::kFailedPrecondition:
+      return absl::FailedPreconditionError(s.message());
+    case Code::kPermissionDenied:
+      return absl::PermissionDeniedError(s.message());
+    case Code::kInternal:
+      return absl::InternalError(s.message());
+  }
+  return absl::UnknownError(s.message());
+}
+
+absl::Status StaticShape(InferenceContext* c,
+                         tensorflow::shape_inference::ShapeHandle* out) {
+  tensorflow::PartialTensorShape shape;
+  TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+  if (!shape.IsFullyDefined()) {
+    return absl::InvalidArgumentError(
+        "tf_rdma slots need a fully defined shape, got " +
+        shape.DebugString());
+  }
+  return c->MakeShapeFromPartialTensorShape(shape, out);
+}
+
+// Reads the slot attributes shared by both ops.
+absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
+                      SlotSpec* spec, TensorShape* shape) {
+  tensorflow::PartialTensorShape partial;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("tensor_name", &spec->tensor_name));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("peer", &spec->peer));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("region", &spec->region));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("plan_hash", &spec->plan_hash));
+  int64_t v;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("region_bytes", &v));
+  spec->region_bytes = v;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("credit_bytes", &v));
+  spec->credit_bytes = v;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("offset", &v));
+  spec->offset = v;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("stride", &v));
+  spec->stride = v;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("depth", &spec->depth));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("credit_index", &spec->credit_index));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("timeout_ms", &spec->timeout_ms));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("shape", &partial));
+  if (!partial.AsTensorShape(shape)) {
+    return absl::InvalidArgumentError("tensor '" + spec->tensor_name +
+                                      "' has shape " + partial.DebugString() +
+                                      "; tf_rdma slots need a fully defined "
+                                      "shape");
+  }
+  spec->nbytes = shape->num_elements() * tensorflow::DataTypeSize(dtype);
+  return ToTf(spec->Validate());
+}
+
+class SendOp : public AsyncOpKernel {
+ public:
+  explicit SendOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
+    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& input = ctx->input(0);
+    OP_REQUIRES_ASYNC(
+        ctx, input.shape() == shape_,
+        absl::InvalidArgumentError(
+            "tf_rdma send of tensor '" + spec_.tensor_name + "': shape " +
+            input.shape().DebugString() + " does not match the planned " +
+            shape_.DebugString()),
+        done);
+    Engine* engine = Engine::Get();
+    SendTicket ticket;
+    OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimSend(spec_, &ticket)), done);
+    Status now;
+    if (engine->TrySendNow(ticket, input.tensor_data().data(), &now)) {
+      OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
+      done();
+      return;
+    }
+    Tensor keep = input;  // holds the input buffer until the write is done
+    engine->Schedule([ctx, done, ticket, keep, engine]() {
+      ctx->SetStatus(ToTf(engine->FinishSend(ticket, keep.tensor_data().data())));
+      done();
+    });
+  }
+
+ private:
+  DataType dtype_;
+  SlotSpec spec_;
+  TensorShape shape_;
+};
+
+class RecvOp : public AsyncOpKernel {
+ public:
+  explicit RecvOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
+    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    Engine* engine = Engine::Get();
+    RecvTicket ticket;
+    OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimRecv(spec_, &ticket)), done);
+    if (engine->TryRecvNow(&ticket)) {
+      Emit(ctx, ticket);
+      done();
+      return;
+    }
+    engine->Schedule([this, ctx, done, ticket, engine]() mutable {
+      Status s = engine->FinishRecv(&ticket);
+      if (s.ok()) {
+        Emit(ctx, ticket);
+      } else {
+        ctx->SetStatus(ToTf(s));
+      }
+      done();
+    });
+  }
+
+ private:
+  void Emit(OpKernelContext* ctx, const RecvTicket& ticket) {
+    auto* buffer = new SlotBuffer(ticket, spec_.nbytes);
+    Tensor out(dtype_, shape_, buffer);
+    buffer->Unref();  // `out` holds the reference now
+    ctx->set_output(0, out);
+  }
+
+  DataType dtype_;
+  SlotSpec spec_;
+  TensorShape shape_;
+};
+
+}  // namespace
+
+REGISTER_OP("TfRdmaSend")
+    .Input("tensor: T")
+    .Attr("T: " TF_RDMA_TYPES)
+    TF_RDMA_SLOT_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::shape_inference::ShapeHandle planned, merged;
+      TF_RETURN_IF_ERROR(StaticShape(c, &planned));
+      TF_RETURN_IF_ERROR(c->Merge(c->input(0), planned, &merged));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Writes `tensor` into its planned slot in the peer task's region (one-sided
+write, then the step's sequence number as the notice). Waits, without holding
+an inter-op thread, for the slot copy to be free (a credit from the receiver)
+when `depth` steps are in flight. Fails with DeadlineExceeded after
+`timeout_ms` (or TF_RDMA_TIMEOUT), with Unavailable if the peer went away.
+)doc");
+
+REGISTER_OP("TfRdmaRecv")
+    .Output("tensor: dtype")
+    .Attr("dtype: " TF_RDMA_TYPES)
+    TF_RDMA_SLOT_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::shape_inference::ShapeHandle planned;
+      TF_RETURN_IF_ERROR(StaticShape(c, &planned));
+      c->set_output(0, planned);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Returns the tensor the peer task wrote into this slot for the current step,
+without copying it: the output aliases the slot, which goes back to the sender
+as a credit when the last reference to the output is dropped.
+)doc");
+
+REGISTER_KERNEL_BUILDER(Name("TfRdmaSend").Device(tensorflow::DEVICE_CPU),
+                        SendOp);
+REGISTER_KERNEL_BUILDER(Name("TfRdmaRecv").Device(tensorflow::DEVICE_CPU),
+                        RecvOp);
+
+}  // namespace tf_rdma

@@ -1,0 +1,52 @@
+// The TCP backend: any two hosts.
+//
+// TCP has no one-sided write, so it is emulated: the writer sends a WRITE
+// frame (engine/wire.h) — header then payload, in one sendmsg — on the pair's
+// connection, and the reader's progress thread, which owns the receiving end
+// of every connection, reads the payload straight into the region (no
+// staging buffer) and publishes the notice word (ApplyWrite). The reader
+// checks every frame against the region it names before a byte is written;
+// a frame that does not fit closes the connection.
+#ifndef TF_RDMA_TRANSPORT_TCP_PAIR_H_
+#define TF_RDMA_TRANSPORT_TCP_PAIR_H_
+
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "kernels/engine/region.h"
+#include "kernels/engine/wire.h"
+#include "kernels/transport/transport.h"
+
+namespace tf_rdma {
+namespace tcp {
+
+class Pair : public ::tf_rdma::Pair {
+ public:
+  // `fd` is the connection's socket; `send_mu` serializes every frame sent
+  // on it (credits and payloads share the socket).
+  Pair(int fd, std::mutex* send_mu) : fd_(fd), send_mu_(send_mu) {}
+  const char* transport() const override { return "tcp"; }
+  Status AddRemoteRegion(const RegionDescriptor& region, int* handle) override;
+  Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
+               uint64_t notice_offset, uint64_t seq) override;
+
+ private:
+  int fd_;
+  std::mutex* send_mu_;
+  std::mutex mu_;
+  std::vector<RegionDescriptor> regions_;  // indexed by handle
+};
+
+// Returns the local region a peer may write with this id, or nullptr.
+using RegionLookup = std::function<Region*(uint32_t id)>;
+
+// Applies a WRITE frame whose header `h` was just read from `fd`: checks it,
+// reads the payload into the region and publishes the notice. An error means
+// nothing was written and the connection must be closed.
+Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup);
+
+}  // namespace tcp
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_TRANSPORT_TCP_PAIR_H_

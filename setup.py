@@ -1,0 +1,157 @@
+"""Builds and installs tf_rdma.
+
+The op library (kernels/ops, kernels/engine, kernels/transport/{shm,tcp}) is
+compiled into one shared object, tf_rdma/_tf_rdma_ops.so, with the compile and
+link flags of the TensorFlow that is installed where this package is being
+installed (tf.sysconfig). The TensorFlow version it was built against is
+recorded in tf_rdma/_build_info.json, so that `import tf_rdma` can tell a
+mismatch apart from a missing library.
+
+pip builds in an isolated environment by default, where the installed
+TensorFlow is not importable. The flags are therefore read by running this
+same interpreter with the isolation variables removed, which sees the target
+environment's site-packages. `pip install --no-build-isolation .` avoids the
+question altogether and is what the Makefile uses.
+
+Object files are cached in build/obj and rebuilt only when a source or header
+under kernels/ changed, so repeated installs take seconds.
+"""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+LIBRARY = "tf_rdma._tf_rdma_ops"
+# The verbs backend is a separate plugin (a later issue); never in the core.
+CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport/shm",
+                    "kernels/transport/tcp"]
+
+_QUERY = """
+import json, tensorflow as tf
+print(json.dumps({"version": tf.__version__,
+                  "cflags": tf.sysconfig.get_compile_flags(),
+                  "lflags": tf.sysconfig.get_link_flags()}))
+"""
+
+
+def tensorflow_build_flags():
+    """Returns {version, cflags, lflags} of the TensorFlow being built against."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONNOUSERBASE")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    proc = subprocess.run([sys.executable, "-c", _QUERY], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(
+            "tf_rdma: building the op library needs TensorFlow >= 2.16 "
+            "installed in this environment (pip install tensorflow-cpu), then "
+            "`pip install --no-build-isolation .`.\n" + proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def core_sources():
+    sources = []
+    for d in CORE_SOURCE_DIRS:
+        for name in sorted(os.listdir(os.path.join(ROOT, d))):
+            if name.endswith(".cc"):
+                sources.append(os.path.join(d, name))
+    return sources
+
+
+def newest_header_mtime():
+    newest = 0.0
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "kernels")):
+        for name in files:
+            if name.endswith(".h"):
+                newest = max(newest, os.path.getmtime(os.path.join(dirpath, name)))
+    return newest
+
+
+class BuildOpLibrary(build_ext):
+    """Compiles the op library with TensorFlow's flags, in parallel."""
+
+    def build_extension(self, ext):
+        tf_info = tensorflow_build_flags()
+        major_minor = tuple(int(x) for x in tf_info["version"].split(".")[:2])
+        if major_minor < (2, 16):
+            raise SystemExit("tf_rdma needs TensorFlow >= 2.16, found %s"
+                             % tf_info["version"])
+        cxx = os.environ.get("CXX", "g++")
+        cflags = ['-DTF_RDMA_BUILT_TF_VERSION="%s"' % tf_info["version"], "-O2", "-fPIC", "-Wall", "-Wno-sign-compare", "-Wno-deprecated-declarations", "-I" + ROOT,
+                  "-DNDEBUG"] + tf_info["cflags"]
+        obj_dir = os.path.join(ROOT, "build", "obj",
+                               "tf-" + tf_info["version"])
+        os.makedirs(obj_dir, exist_ok=True)
+        headers_mtime = newest_header_mtime()
+
+        def compile_one(src):
+            obj = os.path.join(obj_dir, src.replace("/", "_") + ".o")
+            src_path = os.path.join(ROOT, src)
+            if (os.path.exists(obj) and os.path.getmtime(obj) >= max(
+                    os.path.getmtime(src_path), headers_mtime)):
+                return obj
+            cmd = [cxx] + cflags + ["-c", src_path, "-o", obj + ".tmp"]
+            print("tf_rdma: compiling", src, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError("compiling %s failed:\n%s"
+                                   % (src, proc.stderr))
+            if proc.stderr.strip():
+                print(proc.stderr, file=sys.stderr)
+            os.replace(obj + ".tmp", obj)
+            return obj
+
+        jobs = int(os.environ.get("TF_RDMA_BUILD_JOBS", os.cpu_count() or 2))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            try:
+                objects = list(pool.map(compile_one, ext.sources))
+            except RuntimeError as e:
+                raise SystemExit("tf_rdma: " + str(e))
+
+        out = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cmd = ([cxx, "-shared", "-o", out] + objects + tf_info["lflags"] +
+               ["-lrt", "-lpthread"])
+        print("tf_rdma: linking", os.path.relpath(out, ROOT), flush=True)
+        subprocess.run(cmd, check=True)
+        with open(os.path.join(os.path.dirname(out), "_build_info.json"),
+                  "w") as f:
+            json.dump({"tensorflow_version": tf_info["version"],
+                       "compiler": cxx}, f)
+            f.write("\n")
+
+    def copy_extensions_to_source(self):
+        # In-place and editable builds copy the library into the source
+        # tree; its build record must go with it.
+        super().copy_extensions_to_source()
+        info = os.path.join(self.build_lib, "tf_rdma", "_build_info.json")
+        if os.path.exists(info):
+            self.copy_file(info, os.path.join(ROOT, "tf_rdma"))
+
+    def get_ext_filename(self, fullname):
+        return os.path.join(*fullname.split(".")) + ".so"
+
+
+setup(
+    name="tf-rdma",
+    version="0.1.0",
+    description=("Zero-copy, preallocated cross-task tensor transfers for "
+                 "TensorFlow 2 over shared memory, TCP and RDMA"),
+    long_description=open(os.path.join(ROOT, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["tf_rdma", "tf_rdma.*"]),
+    package_data={"tf_rdma": ["_tf_rdma_ops.so", "_build_info.json"]},
+    ext_modules=[Extension(LIBRARY, sources=core_sources())],
+    cmdclass={"build_ext": BuildOpLibrary},
+    install_requires=["numpy"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
+    entry_points={"console_scripts": ["tf-rdma = tf_rdma.cli:main"]},
+    zip_safe=False,
+)

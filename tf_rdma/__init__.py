@@ -1,0 +1,24 @@
+"""tf_rdma: cheap cross-task tensor traffic for TensorFlow 2.
+
+Importing tf_rdma loads its op library into TensorFlow (once) and checks
+that it was built for the installed TensorFlow.
+
+Main entry points:
+    tf_rdma.Server          a TensorFlow task with a tf_rdma endpoint
+    tf_rdma.start_endpoint  the endpoint alone, for non-server processes
+    tf_rdma.Plan, Transfer  the static memory plan of cross-task tensors
+    tf_rdma.ops.send/recv   the zero-copy transfer ops
+"""
+
+from tf_rdma import _loader
+
+_loader.load()
+
+from tf_rdma import errors, ops  # noqa: E402
+from tf_rdma.graph_passes.plan import Plan, Transfer  # noqa: E402
+from tf_rdma.server import Endpoint, Server, endpoint_info, start_endpoint  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["Endpoint", "Plan", "Server", "Transfer", "endpoint_info", "errors",
+           "ops", "start_endpoint"]

@@ -1,0 +1,70 @@
+"""The ``tf-rdma`` command line.
+
+Each subcommand lives in its own module and is imported only when it runs,
+so that ``tf-rdma --help`` answers at once, without loading TensorFlow.
+"""
+
+import argparse
+import sys
+
+__all__ = ["main", "build_parser"]
+
+_DESCRIPTION = """\
+tf_rdma: zero-copy, preallocated tensor transfers and pipelined collectives
+for distributed TensorFlow over RDMA, shared memory or TCP.
+"""
+
+
+def _add_launch(subparsers):
+    from tf_rdma import launch
+
+    parser = subparsers.add_parser(
+        "launch",
+        help="start N local tf_rdma servers and run a command against them",
+        usage=launch._USAGE,
+        description=launch._DESCRIPTION,
+        epilog=launch._EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_arguments(parser)
+
+    def run(args):
+        return launch.run(args, parser)
+
+    parser.set_defaults(func=run)
+
+
+def build_parser():
+    """Returns the ``tf-rdma`` argument parser with every subcommand.
+
+    Returns:
+        An ``argparse.ArgumentParser``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="tf-rdma",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands")
+    subparsers.required = True
+    _add_launch(subparsers)
+    return parser
+
+
+def main(argv=None):
+    """Runs the ``tf-rdma`` command line.
+
+    Args:
+        argv: The arguments, without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status of the subcommand. Usage errors exit with status 2
+        (through ``SystemExit``).
+    """
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

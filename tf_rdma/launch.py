@@ -1,0 +1,662 @@
+"""``tf-rdma launch``: run a command against a cluster of local tf_rdma servers.
+
+::
+
+    tf-rdma launch -n 2 [--ps 1] [--host 127.0.0.1] [--timeout-start 60] -- python train.py
+
+starts ``-n`` worker tasks (job ``worker``) and ``--ps`` parameter-server tasks
+(job ``ps``) on this machine, each a ``python -m tf_rdma.server`` process with
+its own ``TF_CONFIG``, waits until every one of them is serving, and then runs
+the command with ``TF_CONFIG`` set to the cluster alone (no ``"task"``: the
+command is the client) and ``TF_RDMA_SECRET`` set to the job secret. The
+servers' logs appear on the launcher's stderr, each line prefixed with its task
+(``[worker:0] ...``).
+
+When the command exits, or the launcher gets SIGINT or SIGTERM, everything is
+torn down: SIGTERM to the command and to every server, SIGKILL to whatever is
+still alive 10 seconds later, and removal of the shared-memory segments
+(``/dev/shm/tfrdma.<pid>.*``) that any of those processes left behind. The
+launcher exits with the command's exit code (128 + N when it was killed by
+signal N; 130 when the launcher was interrupted).
+
+The gRPC ports are picked at random among free ports such that each tf_rdma
+endpoint port (gRPC port + ``TF_RDMA_PORT_OFFSET``, default 1000) is free as
+well; see :mod:`tf_rdma.cluster` for the address rule.
+"""
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import secrets
+import shlex
+import signal
+import site
+import subprocess
+import sys
+import threading
+import time
+
+from tf_rdma import cluster as _cluster
+from tf_rdma.errors import ConfigError
+
+__all__ = ["main", "add_arguments", "run", "READY_PREFIX"]
+
+#: The line (prefix) a server prints on stdout once it is serving.
+READY_PREFIX = "tf_rdma server ready:"
+
+#: Seconds between SIGTERM and SIGKILL at teardown.
+TERM_GRACE_S = 10.0
+
+#: How many of a server's last stderr lines are shown when it fails.
+_TAIL_LINES = 20
+
+_PREFIX = "tf-rdma launch: "
+_SHM_DIR = "/dev/shm"
+
+_USAGE = "%(prog)s [-h] -n N [--ps M] [--host HOST] [--timeout-start S] -- CMD [ARGS...]"
+
+_DESCRIPTION = """\
+Start a cluster of local tf_rdma servers and run a command against it.
+
+Starts N worker tasks (job "worker") and M parameter-server tasks (job "ps"),
+each a `python -m tf_rdma.server` process on HOST, waits until all of them are
+serving, then runs CMD with TF_CONFIG={"cluster": {...}} (the command is the
+client, so there is no "task") and TF_RDMA_SECRET set. Server logs go to stderr,
+prefixed with their task ("[worker:0] ..."). When CMD exits, or on Ctrl-C or
+SIGTERM, the command and the servers are stopped (SIGTERM, then SIGKILL after
+10 s) and shared memory they leaked in /dev/shm is removed.
+"""
+
+_EPILOG = """\
+environment:
+  TF_RDMA_SECRET       job secret for the servers and CMD (default: 32 random bytes, in hex)
+  TF_RDMA_PORT_OFFSET  endpoint port = gRPC port + offset (default 1000)
+  TF_RDMA_TRANSPORT    and every other variable is passed through to servers and CMD
+
+exit status:
+  CMD's exit status (128+N if CMD was killed by signal N), 130 if interrupted,
+  1 if the cluster failed to start, 2 for bad arguments, 127 if CMD was not found.
+
+example:
+  tf-rdma launch -n 2 -- python -c "import os; print(os.environ['TF_CONFIG'])"
+"""
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def add_arguments(parser):
+    """Adds the ``launch`` options to an argparse parser.
+
+    Args:
+        parser: An ``argparse.ArgumentParser`` (or a subcommand parser).
+    """
+    parser.add_argument(
+        "-n",
+        "--num-workers",
+        dest="num_workers",
+        metavar="N",
+        type=_positive_int,
+        required=True,
+        help='number of worker tasks (job "worker"), at least 1',
+    )
+    parser.add_argument(
+        "--ps",
+        dest="num_ps",
+        metavar="M",
+        type=_non_negative_int,
+        default=0,
+        help='number of parameter-server tasks (job "ps"); default 0',
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the servers listen on and the cluster names; default 127.0.0.1",
+    )
+    parser.add_argument(
+        "--timeout-start",
+        dest="timeout_start",
+        metavar="S",
+        type=_positive_float,
+        default=60.0,
+        help="seconds to wait for all servers to be ready; default 60",
+    )
+    # For tests and debugging: the module each server runs.
+    parser.add_argument("--server-module", default="tf_rdma.server", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARGS...]",
+        help="the command to run against the cluster (after --)",
+    )
+
+
+def _build_parser(prog="tf-rdma launch"):
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=_USAGE,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
+
+
+def _command_of(args, parser):
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("no command given: write it after --, for example: -- python train.py")
+    return command
+
+
+def main(argv=None):
+    """Runs ``tf-rdma launch``.
+
+    Args:
+        argv: The arguments after ``launch`` (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: the command's, or 1 if the cluster failed to start,
+        127 if the command was not found, 130 if interrupted. Bad arguments
+        exit with status 2 through argparse.
+    """
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    return run(args, parser)
+
+
+def run(args, parser=None):
+    """Runs ``tf-rdma launch`` with parsed arguments.
+
+    Args:
+        args: The namespace from a parser set up by :func:`add_arguments`.
+        parser: That parser, used to report a missing command as a usage
+            error (exit status 2).
+
+    Returns:
+        The exit status, as :func:`main`.
+    """
+    parser = parser or _build_parser()
+    command = _command_of(args, parser)
+    try:
+        launcher = _Launcher(
+            num_workers=args.num_workers,
+            num_ps=args.num_ps,
+            host=args.host,
+            timeout_start=args.timeout_start,
+            command=command,
+            server_module=getattr(args, "server_module", "tf_rdma.server"),
+        )
+    except ConfigError as err:
+        parser.error(str(err))
+    except OSError as err:
+        print(f"{_PREFIX}could not pick ports for the cluster: {err}", file=sys.stderr)
+        return 1
+    return launcher.run()
+
+
+# --------------------------------------------------------------------------- implementation
+
+
+def _parent_death_signal():
+    """Returns a preexec_fn that makes a child get SIGTERM when the launcher dies.
+
+    So that a launcher killed with SIGKILL does not leave servers behind. Only
+    on Linux; elsewhere None.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec():
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _exit_status(returncode):
+    if returncode is None:
+        return 1
+    if returncode < 0:
+        return 128 - returncode
+    return returncode
+
+
+class _Output:
+    """Serializes the launcher's and the servers' lines on stderr."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def write(self, line):
+        with self._lock:
+            try:
+                sys.stderr.write(line if line.endswith("\n") else line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def say(self, message):
+        self.write(_PREFIX + message)
+
+
+class _Server:
+    """One server subprocess and the threads that read its output."""
+
+    def __init__(self, job, index, address):
+        self.job = job
+        self.index = index
+        self.address = address
+        self.task = _cluster.canonical_task(job, index)
+        self.label = f"[{job}:{index}] "
+        self.proc = None
+        self.ready = threading.Event()
+        self.ready_line = None
+        self.bad_ready_line = None
+        self.tail = collections.deque(maxlen=_TAIL_LINES)
+        self.threads = []
+
+    def start(self, argv, env, out, preexec):
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=preexec,
+        )
+        for stream, is_stdout in ((self.proc.stdout, True), (self.proc.stderr, False)):
+            thread = threading.Thread(
+                target=self._pump,
+                args=(stream, is_stdout, out),
+                name=f"tf-rdma-launch {self.task} {'stdout' if is_stdout else 'stderr'}",
+                daemon=True,
+            )
+            thread.start()
+            self.threads.append(thread)
+
+    def _pump(self, stream, is_stdout, out):
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if is_stdout and line.startswith(READY_PREFIX) and not self.ready.is_set():
+                    fields = line[len(READY_PREFIX) :].split()
+                    if fields and fields[0] == self.task:
+                        self.ready_line = line
+                    else:
+                        self.bad_ready_line = line
+                    self.ready.set()
+                elif not is_stdout:
+                    self.tail.append(line)
+                out.write(self.label + line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def join_output(self, timeout):
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Launcher:
+    def __init__(self, num_workers, num_ps, host, timeout_start, command, server_module):
+        self.command = command
+        self.timeout_start = timeout_start
+        self.server_module = server_module
+        self.out = _Output()
+        self.signal = None  # the first SIGINT/SIGTERM the launcher got
+        self.signal_count = 0  # how many it got: a second one cuts the teardown short
+        self.servers = []
+        self.cmd = None
+        self.pids = []
+
+        env = os.environ
+        offset = _cluster.port_offset(env)
+        host = host.strip()
+        if not host:
+            raise ConfigError("--host is empty")
+        bare_host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        ports = _cluster.free_ports(num_workers + num_ps, offset, host=bare_host)
+        addresses = [_cluster.join_address(bare_host, port) for port in ports]
+        self.cluster = {"worker": addresses[:num_workers]}
+        if num_ps:
+            self.cluster["ps"] = addresses[num_workers:]
+        # Check the whole address plan (offset, TF_RDMA_ENDPOINTS) before starting anything.
+        self.endpoints = _cluster.endpoints(self.cluster, env)
+        for job, tasks in self.cluster.items():
+            for index, address in enumerate(tasks):
+                self.servers.append(_Server(job, index, address))
+
+        secret = env.get("TF_RDMA_SECRET", "")
+        self.secret = secret if secret.strip() else secrets.token_hex(32)
+
+    # -- signals -------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame):
+        del frame
+        if self.signal is None:
+            self.signal = signum
+        self.signal_count += 1
+
+    def _install_signals(self):
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[signum] = signal.signal(signum, self._on_signal)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return previous
+
+    @staticmethod
+    def _restore_signals(previous):
+        for signum, handler in previous.items():
+            try:
+                signal.signal(signum, handler)
+            except (ValueError, TypeError):
+                pass
+
+    def _signal_status(self):
+        return 130 if self.signal == signal.SIGINT else 128 + int(self.signal)
+
+    # -- the run -------------------------------------------------------------------
+
+    def run(self):
+        previous = self._install_signals()
+        try:
+            return self._run()
+        finally:
+            self._teardown()
+            self._restore_signals(previous)
+
+    def _run(self):
+        preexec = _parent_death_signal()
+        base_env = dict(os.environ)
+        base_env["TF_RDMA_SECRET"] = self.secret
+        server_env = dict(base_env)
+        server_env["PYTHONUNBUFFERED"] = "1"
+        _add_package_to_path(server_env)
+
+        for server in self.servers:
+            if self.signal is not None:
+                return self._signal_status()
+            env = dict(server_env)
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": self.cluster, "task": {"type": server.job, "index": server.index}}
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                self.server_module,
+                "--job",
+                server.job,
+                "--task",
+                str(server.index),
+            ]
+            try:
+                server.start(argv, env, self.out, preexec)
+            except OSError as err:
+                self.out.say(f"could not start the server for {server.task}: {err}")
+                return 1
+            self.pids.append(server.proc.pid)
+            self.out.say(f"started {server.task} pid={server.proc.pid}")
+
+        status = self._wait_ready()
+        if status is not None:
+            return status
+
+        env = dict(base_env)
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster})
+        try:
+            self.cmd = subprocess.Popen(self.command, env=env, preexec_fn=preexec)
+        except OSError as err:
+            self.out.say(f"could not run {_one_line(self.command)}: {err}")
+            return 126 if isinstance(err, PermissionError) else 127
+        self.pids.append(self.cmd.pid)
+        self.out.say(
+            f"cluster ready: {json.dumps(self.cluster)}; running {_one_line(self.command)} "
+            f"(pid={self.cmd.pid})"
+        )
+        return self._wait_command()
+
+    def _wait_ready(self):
+        """Waits for every ready line; returns None when all are ready, else a status."""
+        deadline = time.monotonic() + self.timeout_start
+        pending = list(self.servers)
+        while pending:
+            if self.signal is not None:
+                self.out.say(f"interrupted while starting the cluster ({_signal_name(self.signal)})")
+                return self._signal_status()
+            for server in list(pending):
+                if server.ready.is_set():
+                    if server.bad_ready_line is not None:
+                        self.out.say(
+                            f"the server for {server.task} reported itself ready as another task: "
+                            f"{server.bad_ready_line!r}"
+                        )
+                        return 1
+                    pending.remove(server)
+                elif server.proc.poll() is not None:
+                    server.join_output(2.0)
+                    if server.ready.is_set():
+                        continue  # it printed the line and then exited: caught next round
+                    self._report_failure(
+                        server,
+                        f"the server for {server.task} exited with status "
+                        f"{_describe_status(server.proc.returncode)} before it was ready",
+                    )
+                    return 1
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                server = pending[0]
+                self._report_failure(
+                    server,
+                    f"the server for {server.task} was not ready after {self.timeout_start:g} s "
+                    f"({len(pending)} of {len(self.servers)} servers not ready); "
+                    "raise --timeout-start if it is just slow",
+                )
+                return 1
+            pending[0].ready.wait(0.05)
+        # A server that printed its line and then died is a failure too.
+        for server in self.servers:
+            if server.proc.poll() is not None:
+                server.join_output(2.0)
+                self._report_failure(
+                    server,
+                    f"the server for {server.task} exited with status "
+                    f"{_describe_status(server.proc.returncode)} right after it was ready",
+                )
+                return 1
+        return None
+
+    def _wait_command(self):
+        while True:
+            try:
+                returncode = self.cmd.wait(0.1)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            if returncode is not None:
+                return _exit_status(returncode)
+            if self.signal is not None:
+                self.out.say(f"{_signal_name(self.signal)}: stopping the command and the cluster")
+                return self._signal_status()
+            for server in self.servers:
+                if server.proc.poll() is not None:
+                    if self.cmd.poll() is not None:
+                        return _exit_status(self.cmd.returncode)
+                    server.join_output(2.0)
+                    self._report_failure(
+                        server,
+                        f"the server for {server.task} exited with status "
+                        f"{_describe_status(server.proc.returncode)} while the command was "
+                        "running; stopping the command",
+                    )
+                    return 1
+
+    def _report_failure(self, server, message):
+        lines = list(server.tail)
+        if lines:
+            self.out.say(f"{message}. Its last stderr lines:")
+            for line in lines:
+                self.out.write(f"    {server.label}{line}")
+        else:
+            self.out.say(f"{message}. It wrote nothing on stderr.")
+
+    # -- teardown ------------------------------------------------------------------
+
+    def _teardown(self):
+        procs = [(s.task, s.proc) for s in self.servers if s.proc is not None]
+        if self.cmd is not None:
+            procs.insert(0, ("the command", self.cmd))
+        terminated = set()
+        for name, proc in procs:
+            if proc.poll() is None:
+                _send(proc, signal.SIGTERM)
+                terminated.add(name)
+        # Wait for all of them, up to the grace period; another SIGINT/SIGTERM
+        # in the meantime (a second Ctrl-C) skips the rest of it.
+        signals_before = self.signal_count
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and self.signal_count == signals_before:
+            if all(proc.poll() is not None for _, proc in procs):
+                break
+            time.sleep(0.02)
+        killed = []
+        for name, proc in procs:
+            if proc.poll() is None:
+                _send(proc, signal.SIGKILL)
+                killed.append(name)
+        for _, proc in procs:
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if killed:
+            why = (
+                f"after {TERM_GRACE_S:g} s without exiting"
+                if self.signal_count == signals_before
+                else "(interrupted again)"
+            )
+            self.out.say(f"killed {', '.join(killed)} {why}")
+        for server in self.servers:
+            if server.proc is None:
+                continue
+            server.join_output(2.0)
+            code = server.proc.returncode
+            if server.task in terminated and server.task not in killed and code not in (0, None):
+                self.out.say(
+                    f"the server for {server.task} exited with status "
+                    f"{_describe_status(code)} at shutdown"
+                )
+        self._remove_shm()
+
+    def _remove_shm(self):
+        if not self.pids or not os.path.isdir(_SHM_DIR):
+            return
+        prefixes = tuple(f"tfrdma.{pid}." for pid in self.pids)
+        try:
+            names = os.listdir(_SHM_DIR)
+        except OSError:
+            return
+        removed = []
+        for name in names:
+            if name.startswith(prefixes):
+                try:
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+                except OSError as err:
+                    self.out.say(f"could not remove {_SHM_DIR}/{name}: {err}")
+        if removed:
+            self.out.say(f"removed {len(removed)} leaked shared-memory segment(s) from {_SHM_DIR}")
+
+
+def _one_line(command, limit=200):
+    """The command as a shell would read it, on one line and not too long."""
+    text = shlex.join(command).replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _send(proc, signum):
+    try:
+        proc.send_signal(signum)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _describe_status(returncode):
+    if returncode is not None and returncode < 0:
+        return f"{128 - returncode} (killed by {_signal_name(-returncode)})"
+    return str(returncode)
+
+
+def _add_package_to_path(env):
+    """Lets the servers import tf_rdma when it runs from a source tree."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        site_dirs = set(site.getsitepackages())
+        site_dirs.add(site.getusersitepackages())
+    except AttributeError:  # some virtualenv flavours lack these
+        site_dirs = set()
+    if package_parent in {os.path.abspath(d) for d in site_dirs}:
+        return  # installed: the servers find it like any other package
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if package_parent not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([package_parent] + paths)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

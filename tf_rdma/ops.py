@@ -1,0 +1,113 @@
+"""Python wrappers of the tf_rdma ops.
+
+``send`` and ``recv`` move one planned tensor between two tasks: place
+``send`` on the task that has the tensor and ``recv`` on the task that needs
+it (``tf.device``), give both the same :class:`~tf_rdma.graph_passes.Plan`
+and key, and the receiving task gets the tensor without a copy::
+
+    plan = tf_rdma.Plan([tf_rdma.Transfer("x", "/job:worker/task:0",
+                                          "/job:worker/task:1", "float32",
+                                          [1024])])
+    with tf.device("/job:worker/task:0"):
+        tf_rdma.ops.send(x, plan, "x")
+    with tf.device("/job:worker/task:1"):
+        y = tf_rdma.ops.recv(plan, "x")
+
+Both ops are stateful; inside a ``tf.function`` TensorFlow runs a ``send``
+even though nothing consumes it. Each call is one step: the n-th ``send`` of
+a key pairs with the n-th ``recv``.
+"""
+
+import tensorflow as tf
+
+from tf_rdma import _loader
+from tf_rdma.errors import PlanError
+
+__all__ = ["send", "recv", "raw_ops"]
+
+
+def raw_ops():
+    """Returns the generated op module (TfRdmaSend → ``tf_rdma_send``, ...)."""
+    return _loader.load().ops
+
+
+def _timeout_ms(timeout):
+    if timeout is None:
+        return -1
+    try:
+        ms = int(round(float(timeout) * 1000))
+    except (TypeError, ValueError):
+        ms = 0
+    if ms <= 0:
+        raise PlanError(f"timeout {timeout!r} must be a positive number of "
+                        f"seconds (or None for TF_RDMA_TIMEOUT)")
+    return ms
+
+
+def _slot_attrs(plan, key, peer, timeout):
+    slot = plan.slot(key)
+    return slot, dict(
+        tensor_name=key,
+        peer=peer(slot),
+        region=slot.region,
+        plan_hash=plan.hash,
+        region_bytes=slot.region_bytes,
+        credit_bytes=slot.credit_bytes,
+        offset=slot.offset,
+        stride=slot.stride,
+        depth=slot.depth,
+        credit_index=slot.credit_index,
+        shape=list(slot.shape),
+        timeout_ms=_timeout_ms(timeout),
+    )
+
+
+def send(tensor, plan, key, timeout=None, name=None):
+    """Writes `tensor` into its slot on the receiving task.
+
+    Args:
+        tensor: The tensor to send; its dtype and shape must be the planned ones.
+        plan: The :class:`~tf_rdma.graph_passes.Plan` both tasks use.
+        key: The transfer's key in the plan.
+        timeout: Seconds to wait for a free slot before failing with
+            ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT``.
+        name: Optional op name.
+
+    Returns:
+        The op (in graph mode) or None (eagerly).
+
+    Raises:
+        PlanError: The key is not in the plan, or the tensor's dtype or shape
+            is not the planned one.
+    """
+    slot, attrs = _slot_attrs(plan, key, lambda s: s.dst, timeout)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype != tf.as_dtype(slot.dtype):
+        raise PlanError(f"tensor {key!r} has dtype {tensor.dtype.name}, but the "
+                        f"plan expects {slot.dtype}")
+    if not tensor.shape.is_compatible_with(slot.shape):
+        raise PlanError(f"tensor {key!r} has shape {tensor.shape}, but the plan "
+                        f"expects {list(slot.shape)}")
+    return raw_ops().tf_rdma_send(tensor, name=name, **attrs)
+
+
+def recv(plan, key, timeout=None, name=None):
+    """Returns the tensor the sending task wrote for this step, without a copy.
+
+    Args:
+        plan: The :class:`~tf_rdma.graph_passes.Plan` both tasks use.
+        key: The transfer's key in the plan.
+        timeout: Seconds to wait for the data before failing with
+            ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT``.
+        name: Optional op name.
+
+    Returns:
+        A tensor of the planned dtype and shape. Its memory is the slot; the
+        slot is handed back to the sender when the last reference is dropped.
+
+    Raises:
+        PlanError: The key is not in the plan.
+    """
+    slot, attrs = _slot_attrs(plan, key, lambda s: s.src, timeout)
+    return raw_ops().tf_rdma_recv(dtype=tf.as_dtype(slot.dtype), name=name,
+                                  **attrs)
