@@ -10,15 +10,25 @@ Main entry points:
     tf_rdma.ops.send/recv   the zero-copy transfer ops
 """
 
+import importlib
+
 from tf_rdma import _loader
 
 _loader.load()
 
 from tf_rdma import errors, ops  # noqa: E402
 from tf_rdma.graph_passes.plan import Plan, Transfer  # noqa: E402
-from tf_rdma.server import Endpoint, Server, endpoint_info, start_endpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Endpoint", "Plan", "Server", "Transfer", "endpoint_info", "errors",
-           "ops", "start_endpoint"]
+# tf_rdma.server is imported on first use, so that `python -m tf_rdma.server`
+# runs it as __main__ without a second copy in sys.modules.
+_SERVER_NAMES = ("Endpoint", "Server", "endpoint_info", "start_endpoint")
+
+__all__ = ["Plan", "Transfer", "errors", "ops"] + list(_SERVER_NAMES)
+
+
+def __getattr__(name):
+    if name in _SERVER_NAMES:
+        return getattr(importlib.import_module("tf_rdma.server"), name)
+    raise AttributeError(f"module 'tf_rdma' has no attribute {name!r}")

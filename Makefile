@@ -1,0 +1,60 @@
+# tf-rdma: `make demo` runs the main job, `make test` runs the test suite.
+# Both set everything up on a fresh Linux machine: system packages (apt),
+# a virtual environment in .venv, TensorFlow, and the op library.
+
+PYTHON ?= python3
+TF_PACKAGE ?= tensorflow-cpu==2.21.0
+VENV := .venv
+VPY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.tf_rdma-built
+SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
+
+.PHONY: all install demo test bench system-packages clean help
+
+all: install
+
+help:
+	@echo "make demo     set up and run the 2-task p2p demo (gRPC vs tf_rdma)"
+	@echo "make test     set up and run the test suite"
+	@echo "make bench    run bench/p2p.py and write bench/results/p2p.json"
+	@echo "make install  set up .venv and build the op library"
+	@echo "make clean    remove build outputs (keeps .venv)"
+
+# iproute2 for the network-namespace tests, g++ for the op library.
+system-packages:
+	@missing=""; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): $(VPY) requirements-dev.txt Makefile
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TF_PACKAGE)" -r requirements-dev.txt
+	touch $@
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install: system-packages $(BUILD_STAMP)
+
+demo: install
+	$(VENV)/bin/tf-rdma launch -n 2 -- $(VPY) examples/p2p_demo.py
+
+test: install
+	$(VPY) -m pytest -q
+
+bench: install
+	mkdir -p bench/results
+	$(VPY) bench/p2p.py --json bench/results/p2p.json
+
+clean:
+	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_build_info.json $(BUILD_STAMP)

@@ -1,0 +1,142 @@
+"""Shared test harness: real processes that meet through a real cluster.
+
+`run_tasks` starts one Python process per task (each with its own tf_rdma
+endpoint, as in SPMD programs), gives every process the cluster, the secret
+and the repository on its path, waits for all of them under a hard timeout,
+and on failure reports every task's exit code and the tail of its output.
+No test can hang: a timeout kills the whole process group.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tf_rdma import cluster as cluster_lib  # noqa: E402
+
+# Every task program starts with this: the endpoint is up, `task`, `cluster`
+# and `result(obj)` (prints a JSON line the test reads back) are defined.
+PRELUDE = """
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+import tf_rdma
+task = os.environ["TEST_TASK"]
+cluster = json.loads(os.environ["TEST_CLUSTER"])
+def result(obj):
+    print("RESULT " + json.dumps(obj), flush=True)
+def start(**kwargs):
+    return tf_rdma.start_endpoint(task, cluster, **kwargs)
+"""
+
+
+class TaskResult:
+    def __init__(self, task, returncode, stdout, stderr):
+        self.task, self.returncode = task, returncode
+        self.stdout, self.stderr = stdout, stderr
+
+    @property
+    def results(self):
+        return [json.loads(line[len("RESULT "):])
+                for line in self.stdout.splitlines()
+                if line.startswith("RESULT ")]
+
+    @property
+    def result(self):
+        found = self.results
+        assert found, f"{self.task} printed no RESULT\n{self.describe()}"
+        return found[-1]
+
+    def describe(self):
+        return (f"--- {self.task}: exit {self.returncode}\n"
+                f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}")
+
+
+def make_cluster(n, job="worker"):
+    ports = cluster_lib.free_ports(n)
+    return {job: [f"127.0.0.1:{p}" for p in ports]}
+
+
+def base_env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_RDMA_SECRET", "test-secret")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def spawn_task(task, program, cluster, env=None):
+    """Starts one task program (PRELUDE + program) in its own process group."""
+    e = base_env(env)
+    e["TEST_TASK"] = task
+    e["TEST_CLUSTER"] = json.dumps(cluster)
+    code = PRELUDE + textwrap.dedent(program)
+    return subprocess.Popen([sys.executable, "-c", code], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def kill_group(proc, sig=signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def collect(procs, timeout):
+    """Waits for every process (task → Popen) under one deadline."""
+    deadline = time.monotonic() + timeout
+    out = {}
+    timed_out = []
+    for task, proc in procs.items():
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            stdout, stderr = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            timed_out.append(task)
+            kill_group(proc)
+            stdout, stderr = proc.communicate()
+        out[task] = TaskResult(task, proc.returncode, stdout, stderr)
+    if timed_out:
+        for proc in procs.values():
+            kill_group(proc)
+        pytest.fail(f"tasks {timed_out} did not finish within {timeout} s\n" +
+                    "\n".join(r.describe() for r in out.values()))
+    return out
+
+
+def run_tasks(programs, cluster=None, env=None, timeout=90, check=True):
+    """Runs {task: program} concurrently; returns {task: TaskResult}.
+
+    With check=True, fails the test unless every task exits 0.
+    """
+    if cluster is None:
+        cluster = make_cluster(len(programs))
+    procs = {t: spawn_task(t, p, cluster, env) for t, p in programs.items()}
+    out = collect(procs, timeout)
+    if check:
+        bad = [r for r in out.values() if r.returncode != 0]
+        if bad:
+            pytest.fail("task failed\n" + "\n".join(r.describe()
+                                                    for r in out.values()))
+    return out
+
+
+def shm_segments(pids=None):
+    """Names in /dev/shm of tf_rdma segments (optionally of some pids)."""
+    names = [n for n in os.listdir("/dev/shm") if n.startswith("tfrdma.")]
+    if pids is not None:
+        prefixes = tuple(f"tfrdma.{p}." for p in pids)
+        names = [n for n in names if n.startswith(prefixes)]
+    return names
