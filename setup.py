@@ -20,6 +20,7 @@ under kernels/ changed, so repeated installs take seconds.
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = "tf_rdma._tf_rdma_ops"
+LIBRARY_FILE = "_tf_rdma_ops.so"
 # The verbs backend is a separate plugin (a later issue); never in the core.
 CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport/shm",
                     "kernels/transport/tcp"]
@@ -116,10 +118,13 @@ class BuildOpLibrary(build_ext):
 
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        cmd = ([cxx, "-shared", "-o", out] + objects + tf_info["lflags"] +
-               ["-lrt", "-lpthread"])
+        # Link to a temporary name and rename: processes that have the old
+        # library mapped keep their (unlinked) copy instead of crashing.
+        cmd = ([cxx, "-shared", "-o", out + ".tmp"] + objects +
+               tf_info["lflags"] + ["-lrt", "-lpthread"])
         print("tf_rdma: linking", os.path.relpath(out, ROOT), flush=True)
         subprocess.run(cmd, check=True)
+        os.replace(out + ".tmp", out)
         with open(os.path.join(os.path.dirname(out), "_build_info.json"),
                   "w") as f:
             json.dump({"tensorflow_version": tf_info["version"],
@@ -127,12 +132,14 @@ class BuildOpLibrary(build_ext):
             f.write("\n")
 
     def copy_extensions_to_source(self):
-        # In-place and editable builds copy the library into the source
-        # tree; its build record must go with it.
-        super().copy_extensions_to_source()
-        info = os.path.join(self.build_lib, "tf_rdma", "_build_info.json")
-        if os.path.exists(info):
-            self.copy_file(info, os.path.join(ROOT, "tf_rdma"))
+        # In-place and editable builds put the library into the source tree,
+        # with its build record. Copy-then-rename, never overwrite in place.
+        for name in (LIBRARY_FILE, "_build_info.json"):
+            src = os.path.join(self.build_lib, "tf_rdma", name)
+            dst = os.path.join(ROOT, "tf_rdma", name)
+            shutil.copyfile(src, dst + ".tmp")
+            shutil.copymode(src, dst + ".tmp")
+            os.replace(dst + ".tmp", dst)
 
     def get_ext_filename(self, fullname):
         return os.path.join(*fullname.split(".")) + ".so"

@@ -151,6 +151,32 @@ bool SameLayout(const SlotSpec& a, const SlotSpec& b) {
          a.credit_index == b.credit_index;
 }
 
+Status NotStarted() {
+  return FailedPrecondition(
+      "the tf_rdma endpoint is not running in this process; start a "
+      "tf_rdma.Server (or tf_rdma.start_endpoint) for this task first");
+}
+
+// Checks a new op's slot against the one already registered at its place:
+// two ops may share a slot only if they agree on its whole layout.
+Status CheckSameSlot(const SlotSpec& spec, const SlotSpec& existing) {
+  if (SameLayout(spec, existing)) return Status::Ok();
+  return InvalidArgument("tensor '" + spec.tensor_name +
+                         "' uses the slot at offset " +
+                         std::to_string(spec.offset) + " of region '" +
+                         spec.region + "' with a different layout than tensor '" +
+                         existing.tensor_name + "'");
+}
+
+Status CheckNewSlot(const SlotSpec& spec, const std::string& own_task) {
+  TF_RDMA_RETURN_IF_ERROR(spec.Validate());
+  if (spec.peer == own_task) {
+    return InvalidArgument("tensor '" + spec.tensor_name + "' has its own task " +
+                           own_task + " as the peer; a transfer needs two tasks");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -459,6 +485,12 @@ void Engine::Handshake(int fd) {
          "peer claiming to be " + writer +
              " failed the secret proof (is TF_RDMA_SECRET the same on every "
              "task?)");
+    return;
+  }
+  if (config_.peers.find(writer) == config_.peers.end()) {
+    deny(writer + " is not a task of this cluster",
+         "peer proved the secret but claims to be " + writer +
+             ", which is not in this endpoint's cluster");
     return;
   }
   if (reader != config_.task) {
@@ -868,29 +900,17 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
 // Send.
 
 Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
-  if (!started_) {
-    return FailedPrecondition(
-        "the tf_rdma endpoint is not running in this process; start a "
-        "tf_rdma.Server (or tf_rdma.start_endpoint) for this task first");
-  }
+  if (!started_) return NotStarted();
   SendSlot* slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto& entry = send_slots_[SlotKey(spec)];
     if (!entry) {
-      TF_RDMA_RETURN_IF_ERROR(spec.Validate());
-      if (spec.peer == config_.task) {
-        return InvalidArgument("tensor '" + spec.tensor_name +
-                               "' is sent to its own task " + spec.peer);
-      }
+      TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
       entry.reset(new SendSlot());
       entry->spec = spec;
-    } else if (!SameLayout(entry->spec, spec)) {
-      return InvalidArgument("tensor '" + spec.tensor_name +
-                             "' uses the slot at offset " +
-                             std::to_string(spec.offset) + " of region '" +
-                             spec.region + "' with a different layout than "
-                             "tensor '" + entry->spec.tensor_name + "'");
+    } else {
+      TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
   }
@@ -913,7 +933,8 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
     std::lock_guard<std::mutex> elock(mu_);
     for (auto& other : send_slots_) {
       SendSlot* o = other.second.get();
-      if (o != slot && o->bound && o->spec.region == spec.region) {
+      if (o != nullptr && o != slot && o->bound &&
+          o->spec.region == spec.region) {
         slot->conn = o->conn;
         slot->data_handle = o->data_handle;
         slot->credits = o->credits;
@@ -1023,33 +1044,21 @@ Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
 // Recv.
 
 Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
-  if (!started_) {
-    return FailedPrecondition(
-        "the tf_rdma endpoint is not running in this process; start a "
-        "tf_rdma.Server (or tf_rdma.start_endpoint) for this task first");
-  }
+  if (!started_) return NotStarted();
   RecvSlot* slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto& entry = recv_slots_[SlotKey(spec)];
     if (!entry) {
-      TF_RDMA_RETURN_IF_ERROR(spec.Validate());
-      if (spec.peer == config_.task) {
-        return InvalidArgument("tensor '" + spec.tensor_name +
-                               "' is received from its own task " + spec.peer);
-      }
+      TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
       LocalRegion* region = nullptr;
       TF_RDMA_RETURN_IF_ERROR(FindOrCreateDataRegion(
           spec.region, spec.region_bytes, spec.plan_hash, spec.peer, &region));
       entry.reset(new RecvSlot());
       entry->spec = spec;
       entry->region = region;
-    } else if (!SameLayout(entry->spec, spec)) {
-      return InvalidArgument("tensor '" + spec.tensor_name +
-                             "' uses the slot at offset " +
-                             std::to_string(spec.offset) + " of region '" +
-                             spec.region + "' with a different layout than "
-                             "tensor '" + entry->spec.tensor_name + "'");
+    } else {
+      TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
   }

@@ -27,7 +27,7 @@ inline void CpuRelax() {
 #endif
 }
 
-constexpr int kSpinIterations = 4000;  // a few microseconds
+constexpr int kSpinIterations = 1000;  // ~10-40 us, by CPU
 constexpr int64_t kSliceMs = 50;
 
 }  // namespace

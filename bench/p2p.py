@@ -1,0 +1,611 @@
+#!/usr/bin/env python3
+"""Point-to-point benchmark: one tensor from task 0 to task 1, tf_rdma vs gRPC.
+
+Usage::
+
+    python bench/p2p.py [--json PATH] [--sizes 4K 1M ...] [--runs N] [--quick]
+
+The script is its own orchestrator. For each transport (shm, then tcp) it
+starts a 2-task cluster with ``tf-rdma launch`` (``TF_RDMA_TRANSPORT`` set for
+the servers) and runs itself inside it as the client (``--client``); the
+client measures and prints its results as one JSON line on stdout, which the
+orchestrator collects. TensorFlow's own gRPC path is measured in the shm
+cluster with the same graphs; ``memcpy`` (a single-threaded numpy copy of the
+same bytes into a preallocated array) is measured in the orchestrator itself.
+
+Two views of a transfer are reported for every size:
+
+``p2p`` (per hop)
+    One ``tf.function`` moves the tensor H times back and forth
+    (task 0 -> task 1 -> task 0 -> ...); the time reported is the call time
+    divided by H. A client call costs 1-2 ms of dispatch by itself, which would
+    hide a 4 KiB transfer; the chain spreads that cost over H hops. For
+    tf_rdma every hop is its own planned transfer (keys ``hop0``..``hop<H-1>``,
+    alternating direction; the recv output of one hop is the send input of
+    the next). For gRPC every hop is a ``tf.identity`` placed on the other
+    task, which TensorFlow turns into a _Send/_Recv pair over gRPC. (Grappler
+    keeps these identities because they cross a device boundary; the client
+    checks that the gRPC chain time grows with H, see ``--check-chain``.)
+
+``p2p-call`` (one call)
+    One ``tf.function`` call that moves the tensor once, dispatch included:
+    what a user sees for a single step.
+
+Both functions end with ``y[0] + y[-1]`` on the receiving task, so only a
+scalar returns to the client, and the gRPC and tf_rdma scalars are compared
+bit for bit on every size.
+
+Sizes up to 16 MiB use H = 8 and plan depth 2; 64 MiB uses H = 4, depth 2;
+larger sizes H = 2 and depth 1, so that the preallocated regions stay small
+(every plan keeps its regions in the servers until they exit: well under
+2 GiB for the default sizes).
+"""
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+DEFAULT_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+QUICK_SIZES = (4 * KiB, MiB, 64 * MiB)
+DEFAULT_RUNS = 10
+QUICK_RUNS = 3
+WARMUP = 2
+
+TRANSPORTS = ("shm", "tcp")
+SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "grpc", "memcpy")
+OPS = ("p2p", "p2p-call")
+
+TASKS = ("/job:worker/task:0", "/job:worker/task:1")
+RESULT_PREFIX = "P2P_RESULTS "
+LOG_PREFIX = "[p2p] "
+
+# Targets from the issue; printed as a check, never asserted.
+TARGET_64M_VS_GRPC = 5.0
+TARGET_64M_OF_MEMCPY = 0.60
+TARGET_4K_VS_GRPC = 10.0
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def parse_size(text):
+    """Parses "4096", "4K", "4KiB", "64k", "1M", "256MiB", "1G" into bytes."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (examples: 4096, 4K, 64KiB, 16M, 1G)")
+    value = int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": GiB}[
+        m.group(2).lower()]
+    if value <= 0 or value % 4:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} must be a positive multiple of 4 bytes (the "
+            f"tensor is float32)")
+    return value
+
+
+def human_size(n):
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def human_time(s):
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9 if seconds else float("nan")
+
+
+def hops_for(size):
+    """Hops of the chain and plan depth for a tensor of `size` bytes."""
+    if size <= 16 * MiB:
+        return 8, 2
+    if size <= 64 * MiB:
+        return 4, 2
+    return 2, 1
+
+
+def log(message):
+    print(LOG_PREFIX + message, file=sys.stderr, flush=True)
+
+
+def result(system, op, size, times):
+    return {"system": system, "op": op, "size_bytes": int(size), "P": 2,
+            "median_s": statistics.median(times), "min_s": min(times),
+            "runs": len(times)}
+
+
+# --------------------------------------------------------------------------- client
+
+
+def client_main(args):
+    """Runs inside a tf-rdma launch cluster; prints one JSON line of results."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_rdma
+
+    transport = args.transport
+    system = f"tf_rdma-{transport}"
+    cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    if len(cluster.get("worker", [])) < 2:
+        raise SystemExit("p2p client: the cluster needs 2 worker tasks "
+                         "(tf-rdma launch -n 2)")
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+
+    def grpc_fn(v, hops):
+        @tf.function
+        def fn():
+            with tf.device(TASKS[0]):
+                x = v.read_value()
+            for i in range(hops):
+                with tf.device(TASKS[(i + 1) % 2]):
+                    x = tf.identity(x)
+            with tf.device(TASKS[hops % 2]):
+                return x[0] + x[-1]
+        return fn
+
+    def rdma_fn(v, hops, plan):
+        @tf.function
+        def fn():
+            with tf.device(TASKS[0]):
+                x = v.read_value()
+            for i in range(hops):
+                with tf.device(TASKS[i % 2]):
+                    tf_rdma.ops.send(x, plan, f"hop{i}")
+                with tf.device(TASKS[(i + 1) % 2]):
+                    x = tf_rdma.ops.recv(plan, f"hop{i}")
+            with tf.device(TASKS[hops % 2]):
+                return x[0] + x[-1]
+        return fn
+
+    def make_plan(size, hops, depth):
+        n = size // 4
+        transfers = [tf_rdma.Transfer(f"hop{i}", TASKS[i % 2],
+                                      TASKS[(i + 1) % 2], "float32", [n])
+                     for i in range(hops)]
+        # Every plan keeps its own regions: a unique name per layout.
+        return tf_rdma.Plan(transfers, name=f"p2p_{size}_h{hops}_d{depth}",
+                            depth=depth)
+
+    def bits(value):
+        return np.asarray(value, dtype=np.float32).view(np.uint32).item()
+
+    def measure(fns, runs):
+        """Calls every fn WARMUP times, then `runs` rounds, interleaved."""
+        values = {name: [] for name in fns}
+        times = {name: [] for name in fns}
+        for r in range(WARMUP + runs):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                out = fn().numpy()  # .numpy() waits for the remote result
+                dt = time.perf_counter() - t0
+                values[name].append(bits(out))
+                if r >= WARMUP:
+                    times[name].append(dt)
+        return times, values
+
+    results = []
+    config = {}
+    chain_check = []
+    for size in args.sizes:
+        hops, depth = hops_for(size)
+        config[str(size)] = {"hops": hops, "depth": depth}
+        n = size // 4
+        with tf.device(TASKS[0]):
+            v = tf.Variable(tf.random.uniform([n], seed=size % 9973 + 1))
+        chain_plan = make_plan(size, hops, depth)
+        call_plan = make_plan(size, 1, depth)
+        fns = collections.OrderedDict()
+        fns[(system, "p2p")] = rdma_fn(v, hops, chain_plan)
+        fns[(system, "p2p-call")] = rdma_fn(v, 1, call_plan)
+        if args.grpc:
+            fns[("grpc", "p2p")] = grpc_fn(v, hops)
+            fns[("grpc", "p2p-call")] = grpc_fn(v, 1)
+        t0 = time.perf_counter()
+        times, values = measure(fns, args.runs)
+        # Bit-exact check: every call of every system returns the same scalar
+        # (the chain ends on task hops % 2 but carries the same bytes).
+        distinct = set()
+        for vals in values.values():
+            distinct.update(vals)
+        if len(distinct) != 1:
+            raise SystemExit(
+                f"p2p client: results differ at {human_size(size)}: "
+                + ", ".join(f"{k[0]}/{k[1]}={sorted(set(vs))}"
+                            for k, vs in values.items()))
+        for (sys_name, op), ts in times.items():
+            per = hops if op == "p2p" else 1
+            results.append(result(sys_name, op, size, [t / per for t in ts]))
+        line = ", ".join(
+            f"{s}/{op} {human_time(statistics.median(ts) / (hops if op == 'p2p' else 1))}"
+            for (s, op), ts in times.items())
+        log(f"{transport}: {human_size(size)} (H={hops}, depth={depth}): "
+            f"{line}  [{time.perf_counter() - t0:.1f} s]")
+        if args.grpc and args.check_chain:
+            # The gRPC chain must really do H transfers: its call time has to
+            # grow with H (if Grappler dropped the identities it would not).
+            call = statistics.median(times[("grpc", "p2p-call")])
+            chain = statistics.median(times[("grpc", "p2p")])
+            chain_check.append({"size_bytes": size, "hops": hops,
+                                "call_s": call, "chain_s": chain,
+                                "ratio": chain / call})
+        del fns, v
+
+    import numpy  # for the version only
+    out = {
+        "transport": transport,
+        "tensorflow": tf.__version__,
+        "tf_rdma": getattr(tf_rdma, "__version__", "?"),
+        "numpy": numpy.__version__,
+        "config": config,
+        "grpc_chain_check": chain_check,
+        "results": results,
+    }
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- orchestrator
+
+
+def measure_memcpy(size, runs):
+    """Single-threaded numpy copy of `size` bytes into a preallocated array.
+
+    Small sizes are timed in batches (at least ~8 MiB copied per sample) and
+    divided, so the timer's resolution does not dominate.
+    """
+    import numpy as np
+
+    n = size // 4
+    src = np.random.default_rng(size).random(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    reps = max(1, (8 * MiB) // size)
+    times = []
+    for r in range(WARMUP + runs):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            np.copyto(dst, src)
+        dt = (time.perf_counter() - t0) / reps
+        if r >= WARMUP:
+            times.append(dt)
+    if not np.array_equal(src.view(np.uint32), dst.view(np.uint32)):
+        raise RuntimeError("memcpy baseline: copy differs from the source")
+    return times
+
+
+def machine_info():
+    info = {"cpu_model": "unknown", "cores": os.cpu_count(),
+            "memory_bytes": None, "kernel": platform.release(),
+            "os": platform.platform(), "python": platform.python_version(),
+            "hostname": platform.node()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["memory_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        import numpy
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    info["rdma_devices"] = sorted(os.listdir("/sys/class/infiniband")) if \
+        os.path.isdir("/sys/class/infiniband") else []
+    return info
+
+
+def _pump(stream, sink, echo, tail):
+    for line in iter(stream.readline, ""):
+        if sink is not None:
+            sink.append(line)
+        text = line.rstrip("\n")
+        tail.append(text)
+        if echo(text):
+            print(text, file=sys.stderr, flush=True)
+    stream.close()
+
+
+def run_cluster(transport, args):
+    """Runs the client in a 2-task cluster with `transport`; returns its JSON."""
+    env = dict(os.environ)
+    env["TF_RDMA_TRANSPORT"] = transport
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _REPO not in paths:  # so that a source checkout works without install
+        env["PYTHONPATH"] = os.pathsep.join([_REPO] + paths)
+    client = [sys.executable, os.path.abspath(__file__), "--client",
+              "--transport", transport, "--runs", str(args.runs),
+              "--sizes"] + [str(s) for s in args.sizes]
+    if transport != "shm" or args.no_grpc:
+        client.append("--no-grpc")
+    cmd = [sys.executable, "-m", "tf_rdma.cli", "launch", "-n", "2", "--"] + client
+    log(f"{transport}: starting a 2-task cluster (TF_RDMA_TRANSPORT={transport})")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    stdout_lines = []
+    tail = collections.deque(maxlen=60)
+    echo_all = args.verbose
+
+    def echo(text):
+        return echo_all or text.startswith(LOG_PREFIX) or (
+            text.startswith("tf-rdma launch: cluster ready"))
+
+    threads = [
+        threading.Thread(target=_pump, args=(proc.stdout, stdout_lines,
+                                             lambda t: echo_all, tail),
+                         daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, None, echo, tail),
+                         daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        log(f"{transport}: no result after {args.timeout:g} s; stopping the "
+            f"cluster")
+        proc.send_signal(signal.SIGTERM)  # the launcher tears everything down
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its children get SIGTERM (parent-death signal)
+            proc.wait()
+    except KeyboardInterrupt:
+        # The launcher got the SIGINT too and is tearing the cluster down.
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    for t in threads:
+        t.join(5)
+    found = [l for l in stdout_lines if l.startswith(RESULT_PREFIX)]
+    if timed_out or proc.returncode != 0 or not found:
+        why = ("timed out" if timed_out else
+               f"exit status {proc.returncode}" if proc.returncode else
+               "no result line")
+        print(f"{LOG_PREFIX}{transport}: the cluster run failed ({why}); its "
+              f"last output lines:", file=sys.stderr)
+        for line in tail:
+            print("    " + line, file=sys.stderr)
+        return None
+    log(f"{transport}: done in {time.perf_counter() - t0:.1f} s")
+    return json.loads(found[-1][len(RESULT_PREFIX):])
+
+
+def print_tables(results, sizes):
+    by = {(r["system"], r["op"], r["size_bytes"]): r for r in results}
+    present = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
+    for op in OPS:
+        title = {"p2p": "p2p: time per hop (chain of H transfers in one call, "
+                        "call time / H)",
+                 "p2p-call": "p2p-call: one transfer per call, client "
+                             "dispatch included"}[op]
+        print()
+        print(title)
+        header = ["size"] + [f"{s} (med)" for s in present if
+                             s != "memcpy" or op == "p2p"]
+        header += ["GB/s shm", "shm vs grpc", "tcp vs grpc", "shm % memcpy"]
+        rows = []
+        for size in sizes:
+            row = [human_size(size)]
+            for s in present:
+                if s == "memcpy" and op != "p2p":
+                    continue
+                key = (s, op if s != "memcpy" else "p2p", size)
+                r = by.get(key)
+                row.append(human_time(r["median_s"]) if r else "-")
+            shm = by.get(("tf_rdma-shm", op, size))
+            tcp = by.get(("tf_rdma-tcp", op, size))
+            grpc = by.get(("grpc", op, size))
+            mem = by.get(("memcpy", "p2p", size))
+            row.append(f"{gbps(size, shm['median_s']):.2f}" if shm else "-")
+            row.append(f"{grpc['median_s'] / shm['median_s']:.1f}x"
+                       if shm and grpc else "-")
+            row.append(f"{grpc['median_s'] / tcp['median_s']:.1f}x"
+                       if tcp and grpc else "-")
+            row.append(f"{100 * mem['median_s'] / shm['median_s']:.0f}%"
+                       if shm and mem else "-")
+            rows.append(row)
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+        fmt = lambda cells: "  ".join(  # noqa: E731
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths)))
+        print(fmt(header))
+        print(fmt(["-" * w for w in widths]))
+        for row in rows:
+            print(fmt(row))
+
+
+def check_lines(results):
+    by = {(r["system"], r["op"], r["size_bytes"]): r["median_s"]
+          for r in results}
+    lines = []
+
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    shm, grpc = by.get(("tf_rdma-shm", "p2p", 64 * MiB)), by.get(
+        ("grpc", "p2p", 64 * MiB))
+    mem = by.get(("memcpy", "p2p", 64 * MiB))
+    if shm and grpc:
+        x = grpc / shm
+        lines.append(f"64 MiB shm vs grpc: {x:.1f}x (target >= "
+                     f"{TARGET_64M_VS_GRPC:g}x): {verdict(x >= TARGET_64M_VS_GRPC)}")
+    if shm and mem:
+        f = mem / shm
+        lines.append(f"64 MiB shm bandwidth: {gbps(64 * MiB, shm):.2f} GB/s = "
+                     f"{100 * f:.0f}% of memcpy {gbps(64 * MiB, mem):.2f} GB/s "
+                     f"(target >= {100 * TARGET_64M_OF_MEMCPY:.0f}%): "
+                     f"{verdict(f >= TARGET_64M_OF_MEMCPY)}")
+    shm, grpc = by.get(("tf_rdma-shm", "p2p", 4 * KiB)), by.get(
+        ("grpc", "p2p", 4 * KiB))
+    if shm and grpc:
+        x = grpc / shm
+        lines.append(f"4 KiB shm vs grpc: {x:.1f}x (target >= "
+                     f"{TARGET_4K_VS_GRPC:g}x): {verdict(x >= TARGET_4K_VS_GRPC)}")
+    return lines
+
+
+def orchestrate(args):
+    started = time.perf_counter()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds")
+    machine = machine_info()
+    results = []
+    log("memcpy: numpy.copyto, single thread, same sizes")
+    for size in args.sizes:
+        results.append(result("memcpy", "p2p", size,
+                              measure_memcpy(size, args.runs)))
+    failed = []
+    clients = {}
+    for transport in args.transports:
+        out = run_cluster(transport, args)
+        if out is None:
+            failed.append(transport)
+            continue
+        clients[transport] = out
+        results.extend(out["results"])
+        for key in ("tensorflow", "tf_rdma"):
+            machine.setdefault(key, out.get(key))
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    results.sort(key=lambda r: (OPS.index(r["op"]), r["size_bytes"],
+                                order.get(r["system"], 99)))
+    print(f"p2p benchmark, {date}; {machine['cpu_model']}, "
+          f"{machine['cores']} cores; runs={args.runs} after {WARMUP} warm-up")
+    print_tables(results, args.sizes)
+    for transport, out in clients.items():
+        for c in out.get("grpc_chain_check", []):
+            if c["ratio"] < c["hops"] / 2:
+                print(f"WARNING: grpc chain at {human_size(c['size_bytes'])} "
+                      f"took only {c['ratio']:.1f}x one call for "
+                      f"{c['hops']} hops; were the hops optimised away?")
+    print()
+    for line in check_lines(results):
+        print("check: " + line)
+    elapsed = time.perf_counter() - started
+    print(f"total time {elapsed:.0f} s")
+    if args.json:
+        doc = {"bench": "p2p", "date": date, "machine": machine,
+               "config": {"runs": args.runs, "warmup": WARMUP,
+                          "sizes": list(args.sizes),
+                          "transports": list(args.transports),
+                          "chain": next(iter(clients.values()), {}).get(
+                              "config", {}),
+                          "grpc_chain_check": clients.get("shm", {}).get(
+                              "grpc_chain_check", []),
+                          "memcpy": "numpy.copyto into a preallocated "
+                                    "array, one thread",
+                          "elapsed_s": round(elapsed, 1)},
+               "results": results}
+        directory = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if failed:
+        print(f"FAILED: the {', '.join(failed)} cluster run(s) gave no "
+              f"results", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python bench/p2p.py",
+        description="Point-to-point transfer benchmark: tf_rdma (shm, tcp) "
+                    "vs TensorFlow gRPC vs memcpy, 2 local tasks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See bench/README.md for what each system and op means.")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON to PATH")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
+                        help="tensor sizes (4K, 64K, 1M, 16M, 64M, 256M by "
+                             "default; --quick: 4K 1M 64M)")
+    parser.add_argument("--runs", type=int, metavar="N",
+                        help=f"timed calls per measurement after {WARMUP} "
+                             f"warm-up calls (default {DEFAULT_RUNS}; "
+                             f"--quick: {QUICK_RUNS})")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes and runs (under 3 minutes)")
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
+                        default=list(TRANSPORTS),
+                        help="tf_rdma transports to measure (default: both)")
+    parser.add_argument("--timeout", type=float, metavar="S",
+                        help="hard limit per cluster run in seconds "
+                             "(default 420; --quick 150)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the servers' and launcher's output")
+    # Internal: the client mode, run under tf-rdma launch.
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="shm", choices=TRANSPORTS,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--no-check-chain", dest="check_chain",
+                        action="store_false", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.no_grpc = not args.grpc
+    if args.sizes is None:
+        args.sizes = list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    if args.runs is None:
+        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.timeout is None:
+        args.timeout = 150.0 if args.quick else 420.0
+    if args.client:
+        return client_main(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

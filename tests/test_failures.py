@@ -1,0 +1,456 @@
+"""Failure is loud and bounded: dead peers, stalled peers, plan mismatches, bad input.
+
+Real processes, real shared memory, real sockets. To keep process start-ups
+(seconds each) few, each launch covers several cases:
+
+- `killed`: worker:0 holds a tensor it received from worker:1 (depth 1) and
+  sends to worker:1 in an endless loop; worker:1 receives a few steps, has a
+  send to worker:0 blocked waiting for the held slot's credit, and SIGKILLs
+  worker:0. Both of worker:1's waits must fail fast with UnavailableError.
+- `mixed`: a clean transfer, a stalled peer (a recv that nothing feeds), and
+  plan hash mismatches in both orders (receiver sets the region up first,
+  sender first); both processes exit normally, so their segments must go.
+- `bad_input`: one process, no peer: configuration errors, ops before the
+  endpoint runs, tensors that do not fit the plan, an unknown peer task.
+"""
+
+import glob
+import json
+import os
+
+import pytest
+import tf_rdma
+
+from conftest import collect, make_cluster, run_tasks, shm_segments, spawn_task
+
+pytestmark = pytest.mark.timeout(300)
+
+PEER0 = "/job:worker/task:0"
+PEER1 = "/job:worker/task:1"
+
+HELPERS = """
+import signal, threading
+SYNC_DIR = os.environ["TEST_SYNC_DIR"]
+
+def touch(name, text="1"):
+    path = os.path.join(SYNC_DIR, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+def wait_file(name, timeout=60):
+    path = os.path.join(SYNC_DIR, name)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no " + path)
+        time.sleep(0.02)
+    with open(path) as f:
+        return f.read()
+
+def error_of(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # reported, checked by the test
+        return {"type": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e), "elapsed_s": time.monotonic() - t0}
+    return None
+
+def my_segments():
+    prefix = "tfrdma.%d." % os.getpid()
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+"""
+
+
+def _assert_names(error, *parts):
+    assert error is not None, "expected an error, the op succeeded"
+    for part in parts:
+        assert part in error["message"], (part, error)
+
+
+# ---------------------------------------------------------------------------
+# A peer killed with SIGKILL.
+
+KILLED = HELPERS + """
+to1 = tf_rdma.Plan([tf_rdma.Transfer("a", "worker:0", "worker:1", "float32",
+                                     [256])], name="killed_a", depth=2)
+to0 = tf_rdma.Plan([tf_rdma.Transfer("b", "worker:1", "worker:0", "float32",
+                                     [256])], name="killed_b", depth=1)
+RECEIVED_BEFORE_KILL = 20
+ep = start()
+
+if task == "worker:0":
+    held = tf_rdma.ops.recv(to0, "b")  # held until this process dies
+    touch("pid0", str(os.getpid()))
+    step = 0
+    while True:  # until worker:1 kills this process
+        step += 1
+        tf_rdma.ops.send(tf.fill([256], float(step)), to1, "a")
+else:
+    result({"pid": os.getpid()})
+    tf_rdma.ops.send(tf.fill([256], 1.0), to0, "b")
+    blocked = {}
+    def send_step_2():
+        blocked["error"] = error_of(
+            lambda: tf_rdma.ops.send(tf.fill([256], 2.0), to0, "b", timeout=20))
+        blocked["at"] = time.monotonic()
+    sender = threading.Thread(target=send_step_2)
+    sender.start()
+    values = [float(tf_rdma.ops.recv(to1, "a")[0])
+              for _ in range(RECEIVED_BEFORE_KILL)]
+    pid0 = int(wait_file("pid0"))
+    time.sleep(0.5)  # send_step_2 is now waiting for worker:0's credit
+    segments_while_running = my_segments()
+    os.kill(pid0, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # Steps worker:0 completed before it died may still be delivered; the
+    # first recv past them must fail.
+    after_kill = []
+    recv_error = None
+    for _ in range(10):
+        try:
+            after_kill.append(float(tf_rdma.ops.recv(to1, "a", timeout=20)[0]))
+        except Exception as e:
+            recv_error = {"type": type(e).__name__, "message": str(e),
+                          "elapsed_s": time.monotonic() - killed_at}
+            break
+    sender.join(30)
+    send_error = blocked.get("error")
+    if send_error is not None:
+        send_error["elapsed_s"] = blocked["at"] - killed_at
+    result({"pid": os.getpid(), "values": values, "after_kill": after_kill,
+            "recv_error": recv_error, "send_error": send_error,
+            "sender_thread_done": not sender.is_alive(),
+            "segments_while_running": segments_while_running})
+"""
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    sync_dir = tmp_path_factory.mktemp("killed")
+    cluster = make_cluster(2)
+    env = {"TF_RDMA_TIMEOUT": "30", "TEST_SYNC_DIR": str(sync_dir)}
+    procs = {t: spawn_task(t, KILLED, cluster, env)
+             for t in ("worker:0", "worker:1")}
+    try:
+        out = collect(procs, timeout=120)
+    finally:
+        # The killed task could not remove its segments (a launcher's job);
+        # do it for it so that the test leaves /dev/shm clean.
+        for path in glob.glob(f"/dev/shm/tfrdma.{procs['worker:0'].pid}.*"):
+            os.unlink(path)
+    return procs, out
+
+
+def test_killed_sender_fails_waiting_recv(killed):
+    procs, out = killed
+    w0, w1 = out["worker:0"], out["worker:1"]
+    assert w0.returncode == -9, w0.describe()
+    assert w1.returncode == 0, w1.describe()
+    r = w1.result
+    assert r["values"] == [float(s) for s in range(1, 21)]
+    # At most the `depth` steps already written (and one in flight when the
+    # kill landed) may still arrive, and they are the next steps in order.
+    assert len(r["after_kill"]) <= 3, r
+    assert r["after_kill"] == [float(21 + i) for i in range(len(r["after_kill"]))]
+    error = r["recv_error"]
+    _assert_names(error, "'a'", PEER0,
+                  f"step {21 + len(r['after_kill'])}")
+    assert error["type"] == "UnavailableError", error
+    assert error["elapsed_s"] < 5, error  # its timeout was 20 s
+
+
+def test_killed_receiver_fails_blocked_send(killed):
+    _, out = killed
+    r = out["worker:1"].result
+    assert r["sender_thread_done"]
+    error = r["send_error"]
+    _assert_names(error, "'b'", PEER0, "step 2")
+    assert error["type"] == "UnavailableError", error
+    assert error["elapsed_s"] < 5, error  # its timeout was 20 s
+
+
+def test_survivor_removes_its_segments(killed):
+    procs, out = killed
+    r = out["worker:1"].result
+    assert r["pid"] == procs["worker:1"].pid
+    assert r["segments_while_running"], "worker:1 had no segments to remove"
+    assert shm_segments(pids=[procs["worker:1"].pid]) == []
+
+
+# ---------------------------------------------------------------------------
+# A clean transfer, a stalled peer and plan hash mismatches, in one run.
+
+def _mixed_plans():
+    """Plans shared by the test and the tasks (the test checks the hashes)."""
+    def plan(name, dtype):
+        return tf_rdma.Plan([tf_rdma.Transfer("m", "worker:0", "worker:1",
+                                              dtype, [64])], name=name)
+    return {
+        "first_recv_0": plan("mm_recv_first", "float32"),
+        "first_recv_1": plan("mm_recv_first", "int32"),
+        "first_send_0": plan("mm_send_first", "float32"),
+        "first_send_1": plan("mm_send_first", "int32"),
+    }
+
+
+MIXED = HELPERS + """
+clean = tf_rdma.Plan([tf_rdma.Transfer("c", "worker:0", "worker:1", "int64",
+                                       [100])], name="clean")
+stall = tf_rdma.Plan([tf_rdma.Transfer("s", "worker:0", "worker:1", "float32",
+                                       [8])], name="stall")
+stall2 = tf_rdma.Plan([tf_rdma.Transfer("s2", "worker:0", "worker:1",
+                                        "float32", [8])], name="stall2")
+plans = {k: tf_rdma.Plan.from_json(v) for k, v in
+         json.loads(os.environ["TEST_PLANS"]).items()}
+ep = start()
+me = task[-1]
+
+if task == "worker:0":
+    for step in (1, 2, 3):
+        tf_rdma.ops.send(tf.range(100, dtype=tf.int64) * step, clean, "c")
+    # stall: never send "s".
+    wait_file("stall_done")
+    # The receiver has set region mm_recv_first up with its plan.
+    wait_file("recv_first_claimed")
+    zeros = tf.zeros([64], tf.float32)
+    p = plans["first_recv_" + me]
+    recv_first = error_of(lambda: [tf_rdma.ops.send(zeros, p, "m", timeout=3)
+                                   for _ in range(3)])
+    # Sender first: its first send sets the region up with its plan.
+    p = plans["first_send_" + me]
+    opened = error_of(lambda: tf_rdma.ops.send(zeros, p, "m", timeout=3))
+    touch("send_first_opened")
+    send_first = error_of(lambda: [tf_rdma.ops.send(zeros, p, "m", timeout=3)
+                                   for _ in range(2)])
+    wait_file("mixed_done_1")
+    result({"pid": os.getpid(), "recv_first": recv_first,
+            "send_first_opened": opened, "send_first": send_first,
+            "segments_while_running": my_segments()})
+else:
+    clean_values = [tf_rdma.ops.recv(clean, "c").numpy().tolist()
+                    for _ in range(3)]
+    stalled = error_of(lambda: tf_rdma.ops.recv(stall, "s", timeout=2))
+    # Each op's own timeout counts, not the one of the slot's first op.
+    timeouts = [error_of(lambda: tf_rdma.ops.recv(stall2, "s2", timeout=t))
+                for t in (1, 3)]
+    touch("stall_done")
+    p = plans["first_recv_" + me]
+    box = {}
+    def recv_first_thread():
+        box["error"] = error_of(lambda: tf_rdma.ops.recv(p, "m", timeout=4))
+    th = threading.Thread(target=recv_first_thread)
+    th.start()
+    time.sleep(1.0)  # the recv has claimed its slot and set the region up
+    touch("recv_first_claimed")
+    th.join(30)
+    p = plans["first_send_" + me]
+    wait_file("send_first_opened")
+    send_first = error_of(lambda: tf_rdma.ops.recv(p, "m", timeout=4))
+    segments = my_segments()
+    touch("mixed_done_1")
+    result({"pid": os.getpid(), "clean": clean_values, "stalled": stalled,
+            "timeouts": timeouts,
+            "recv_first": box.get("error"), "recv_first_done": not th.is_alive(),
+            "send_first": send_first, "segments_while_running": segments})
+"""
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    sync_dir = tmp_path_factory.mktemp("mixed")
+    plans = _mixed_plans()
+    cluster = make_cluster(2)
+    env = {"TF_RDMA_TIMEOUT": "20", "TEST_SYNC_DIR": str(sync_dir),
+           "TEST_PLANS": json.dumps({k: p.to_json() for k, p in plans.items()})}
+    procs = {t: spawn_task(t, MIXED, cluster, env)
+             for t in ("worker:0", "worker:1")}
+    out = collect(procs, timeout=120)
+    return procs, plans, out
+
+
+def test_mixed_tasks_exit_cleanly(mixed):
+    _, _, out = mixed
+    bad = [r for r in out.values() if r.returncode != 0]
+    assert not bad, "\n".join(r.describe() for r in out.values())
+
+
+def test_clean_transfer_alongside_failures(mixed):
+    _, _, out = mixed
+    assert out["worker:1"].result["clean"] == [
+        [i * step for i in range(100)] for step in (1, 2, 3)]
+
+
+def test_stalled_peer_times_out(mixed):
+    _, _, out = mixed
+    error = out["worker:1"].result["stalled"]
+    _assert_names(error, "'s'", PEER0, "step 1")
+    assert error["type"] == "DeadlineExceededError", error
+    assert 1.9 <= error["elapsed_s"] <= 6, error
+
+
+def test_each_op_has_its_own_timeout(mixed):
+    _, _, out = mixed
+    short, longer = out["worker:1"].result["timeouts"]
+    _assert_names(short, "'s2'", PEER0, "step 1")
+    _assert_names(longer, "'s2'", PEER0, "step 2")
+    assert short["type"] == longer["type"] == "DeadlineExceededError"
+    assert 0.9 <= short["elapsed_s"] <= 2.5, short
+    assert 2.9 <= longer["elapsed_s"] <= 5, longer
+
+
+def test_plan_hash_mismatch_receiver_first(mixed):
+    _, plans, out = mixed
+    h0, h1 = plans["first_recv_0"].hash, plans["first_recv_1"].hash
+    assert h0 != h1
+    send_error = out["worker:0"].result["recv_first"]
+    recv_error = out["worker:1"].result["recv_first"]
+    assert out["worker:1"].result["recv_first_done"]
+    # Both sides fail, within their 3 s / 4 s timeouts (no hang) ...
+    assert send_error is not None and recv_error is not None, (send_error,
+                                                               recv_error)
+    assert send_error["elapsed_s"] < 12, send_error
+    assert recv_error["elapsed_s"] < 8, recv_error
+    # ... and at least one of them names both plans.
+    naming = [e for e in (send_error, recv_error)
+              if h0 in e["message"] and h1 in e["message"]]
+    assert naming, (send_error, recv_error)
+
+
+def test_plan_hash_mismatch_sender_first(mixed):
+    _, plans, out = mixed
+    h0, h1 = plans["first_send_0"].hash, plans["first_send_1"].hash
+    assert h0 != h1
+    first = out["worker:0"].result["send_first_opened"]
+    later = out["worker:0"].result["send_first"]
+    send_error = first or later
+    recv_error = out["worker:1"].result["send_first"]
+    assert send_error is not None and recv_error is not None, (send_error,
+                                                               recv_error)
+    assert send_error["elapsed_s"] < 8, send_error
+    assert recv_error["elapsed_s"] < 8, recv_error
+    naming = [e for e in (send_error, recv_error)
+              if h0 in e["message"] and h1 in e["message"]]
+    assert naming, (send_error, recv_error)
+
+
+def test_no_segments_left_after_clean_exit(mixed):
+    procs, _, out = mixed
+    pids = []
+    for task, proc in procs.items():
+        r = out[task].result
+        assert r["pid"] == proc.pid
+        assert r["segments_while_running"], f"{task} had no segments"
+        pids.append(proc.pid)
+    assert shm_segments(pids=pids) == []
+
+
+# ---------------------------------------------------------------------------
+# Bad input, one process.
+
+BAD_INPUT = HELPERS + """
+from tf_rdma.errors import ConfigError, PlanError
+plan = tf_rdma.Plan([tf_rdma.Transfer("x", "worker:0", "worker:1", "float32",
+                                      [4]),
+                     tf_rdma.Transfer("y", "worker:1", "worker:0", "int32",
+                                      [3])])
+far = tf_rdma.Plan([tf_rdma.Transfer("far", "worker:0", "worker:5", "float32",
+                                     [4])], name="far")
+report = {}
+
+# Configuration, checked before the endpoint starts.
+secret = os.environ.pop("TF_RDMA_SECRET")
+report["no_secret"] = error_of(start)
+os.environ["TF_RDMA_SECRET"] = secret
+os.environ["TF_RDMA_TRANSPORT"] = "bogus"
+report["bogus_transport"] = error_of(start)
+del os.environ["TF_RDMA_TRANSPORT"]
+os.environ["TF_RDMA_TIMEOUT"] = "-1"
+report["negative_timeout"] = error_of(start)
+del os.environ["TF_RDMA_TIMEOUT"]
+
+# Ops before the endpoint runs.
+report["send_before_start"] = error_of(
+    lambda: tf_rdma.ops.send(tf.zeros([4]), plan, "x", timeout=2))
+report["recv_before_start"] = error_of(
+    lambda: tf_rdma.ops.recv(plan, "y", timeout=2))
+
+start()
+report["wrong_dtype"] = error_of(
+    lambda: tf_rdma.ops.send(tf.zeros([4], tf.int32), plan, "x", timeout=2))
+report["wrong_shape"] = error_of(
+    lambda: tf_rdma.ops.send(tf.zeros([5]), plan, "x", timeout=2))
+report["unknown_key_send"] = error_of(
+    lambda: tf_rdma.ops.send(tf.zeros([4]), plan, "nope", timeout=2))
+report["unknown_key_recv"] = error_of(
+    lambda: tf_rdma.ops.recv(plan, "nope", timeout=2))
+# The kernel's own check, past the Python wrapper.
+slot = plan.slot("x")
+report["kernel_wrong_shape"] = error_of(
+    lambda: tf_rdma.ops.raw_ops().tf_rdma_send(
+        tf.zeros([5]), tensor_name="x", peer=slot.dst, region=slot.region,
+        plan_hash=plan.hash, region_bytes=slot.region_bytes,
+        credit_bytes=slot.credit_bytes, offset=slot.offset,
+        stride=slot.stride, depth=slot.depth,
+        credit_index=slot.credit_index, shape=list(slot.shape),
+        timeout_ms=2000))
+report["unknown_peer"] = error_of(
+    lambda: tf_rdma.ops.send(tf.zeros([4]), far, "far", timeout=2))
+result(report)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory):
+    sync_dir = tmp_path_factory.mktemp("bad_input")
+    out = run_tasks({"worker:0": BAD_INPUT}, cluster=make_cluster(2),
+                    env={"TEST_SYNC_DIR": str(sync_dir)}, timeout=90)
+    return out["worker:0"].result
+
+
+def test_config_errors(bad_input):
+    error = bad_input["no_secret"]
+    assert error is not None and error["type"] == "ConfigError", error
+    assert "TF_RDMA_SECRET" in error["message"], error
+    error = bad_input["bogus_transport"]
+    assert error is not None and error["type"] == "ConfigError", error
+    assert "bogus" in error["message"], error
+    error = bad_input["negative_timeout"]
+    assert error is not None and error["type"] == "ConfigError", error
+    assert "-1" in error["message"], error
+    for case in ("no_secret", "bogus_transport", "negative_timeout"):
+        assert "ValueError" in bad_input[case]["mro"], bad_input[case]
+
+
+def test_ops_before_the_endpoint_runs(bad_input):
+    for case in ("send_before_start", "recv_before_start"):
+        error = bad_input[case]
+        assert error is not None, case
+        assert error["type"] == "FailedPreconditionError", error
+        assert "not running" in error["message"], error
+        assert error["elapsed_s"] < 2, error
+
+
+def test_tensor_that_does_not_fit_the_plan(bad_input):
+    error = bad_input["wrong_dtype"]
+    _assert_names(error, "int32", "float32", "'x'")
+    assert error["type"] == "PlanError", error
+    error = bad_input["wrong_shape"]
+    _assert_names(error, "5", "[4]", "'x'")
+    assert error["type"] == "PlanError", error
+    for case in ("unknown_key_send", "unknown_key_recv"):
+        error = bad_input[case]
+        _assert_names(error, "'nope'")
+        assert error["type"] == "PlanError", error
+    error = bad_input["kernel_wrong_shape"]
+    _assert_names(error, "'x'", "[5]", "[4]")
+    assert error["type"] == "InvalidArgumentError", error
+
+
+def test_unknown_peer_task(bad_input):
+    error = bad_input["unknown_peer"]
+    _assert_names(error, "unknown peer task", "/job:worker/task:5", "'far'")
+    assert error["type"] == "InvalidArgumentError", error
+    assert error["elapsed_s"] < 2, error
