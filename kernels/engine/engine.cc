@@ -33,6 +33,7 @@ struct Connection {
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;
   bool dead = false;
+  Code dead_code = Code::kUnavailable;
   std::string dead_reason;
   uint64_t next_request = 1;
   std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
@@ -49,6 +50,9 @@ struct LocalRegion {
   // when the writer opens the region. Guarded by Engine::mu_.
   std::shared_ptr<Connection> writer;
   int credit_handle = -1;
+  // Why a writer's OPEN of this region was refused (plan mismatch), so that
+  // the reader's waiting ops fail with the reason instead of a timeout.
+  std::string refusal;
 };
 
 struct SendSlot {
@@ -686,7 +690,8 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
     if (!s.ok()) {
       Log("rejected write from " + conn->peer + ": " + s.message());
     }
-  } else if (s.ok() && (h.type == kOpenRequest || h.type == kOpenReply)) {
+  } else if (s.ok() && (h.type == kOpenRequest || h.type == kOpenReply ||
+                         h.type == kError)) {
     if (h.b > kMaxBodyBytes) {
       s = InvalidArgument("frame body of " + std::to_string(h.b) + " bytes");
     } else {
@@ -694,6 +699,8 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
       s = RecvAll(conn->fd, &body[0], body.size());
       if (s.ok() && h.type == kOpenRequest) {
         HandleOpen(conn, h.a, body);
+      } else if (s.ok() && h.type == kError) {
+        s = FailedPrecondition(body);
       } else if (s.ok()) {
         std::lock_guard<std::mutex> lock(conn->mu);
         conn->replies[h.a] = {h, body};
@@ -712,6 +719,11 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
     std::lock_guard<std::mutex> lock(conn->mu);
     if (conn->dead) return;
     conn->dead = true;
+    // A refusal by the peer (plan mismatch) keeps its code; anything else
+    // means the peer is gone.
+    conn->dead_code = why.code() == Code::kFailedPrecondition
+                          ? Code::kFailedPrecondition
+                          : Code::kUnavailable;
     conn->dead_reason = why.message();
     conn->cv.notify_all();
   }
@@ -732,6 +744,10 @@ Status Engine::CheckPeerAlive(const std::shared_ptr<Connection>& conn,
   if (!conn) return Status::Ok();
   std::lock_guard<std::mutex> lock(conn->mu);
   if (!conn->dead) return Status::Ok();
+  if (conn->dead_code == Code::kFailedPrecondition) {
+    return FailedPrecondition(what + ": " + conn->peer + " refused: " +
+                              conn->dead_reason);
+  }
   return Unavailable(what + ": the connection to " + conn->peer +
                      " was lost (" + conn->dead_reason + ")");
 }
@@ -861,6 +877,10 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     LocalRegion* region = nullptr;
     s = FindOrCreateDataRegion(f["name"], size, f["plan_hash"], conn->peer,
                                &region);
+    auto existing = data_regions_.find(f["name"]);
+    if (!s.ok() && existing != data_regions_.end()) {
+      existing->second->refusal = s.message();
+    }
     if (s.ok() && region->writer && region->writer != conn) {
       s = FailedPrecondition("region '" + f["name"] +
                              "' already has a connected writer");
@@ -896,6 +916,20 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
   if (!sent.ok()) CloseConnection(conn, sent);
 }
 
+void Engine::RefuseWriter(const std::string& region_name, const Status& why) {
+  // Caller holds mu_. The writer already opened the region with another
+  // plan: tell it why its data is refused, then drop it.
+  auto it = data_regions_.find(region_name);
+  if (it == data_regions_.end() || !it->second->writer) return;
+  std::shared_ptr<Connection> writer = it->second->writer;
+  it->second->refusal = why.message();
+  FrameHeader h;
+  h.type = kError;
+  h.b = why.message().size();
+  SendFrame(writer, h, why.message());
+  CloseConnection(writer, why);
+}
+
 // ---------------------------------------------------------------------------
 // Send.
 
@@ -917,6 +951,7 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
   std::lock_guard<std::mutex> lock(slot->mu);
   ticket->slot = slot;
   ticket->step = ++slot->claimed;
+  ticket->timeout_ms = TimeoutFor(spec);
   return Status::Ok();
 }
 
@@ -1011,7 +1046,7 @@ Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
   std::string what = "tf_rdma send of " + spec.Describe(ticket.step);
-  Deadline deadline(TimeoutFor(spec));
+  Deadline deadline(ticket.timeout_ms);
   Status s = BindSendSlot(slot, deadline);
   if (!s.ok()) {
     return s.code() == Code::kDeadlineExceeded
@@ -1052,8 +1087,12 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
     if (!entry) {
       TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
       LocalRegion* region = nullptr;
-      TF_RDMA_RETURN_IF_ERROR(FindOrCreateDataRegion(
-          spec.region, spec.region_bytes, spec.plan_hash, spec.peer, &region));
+      Status s = FindOrCreateDataRegion(spec.region, spec.region_bytes,
+                                        spec.plan_hash, spec.peer, &region);
+      if (!s.ok()) {
+        RefuseWriter(spec.region, s);
+        return s;
+      }
       entry.reset(new RecvSlot());
       entry->spec = spec;
       entry->region = region;
@@ -1065,6 +1104,7 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
   std::lock_guard<std::mutex> lock(slot->mu);
   ticket->slot = slot;
   ticket->step = ++slot->claimed;
+  ticket->timeout_ms = TimeoutFor(spec);
   return Status::Ok();
 }
 
@@ -1086,11 +1126,14 @@ Status Engine::FinishRecv(RecvTicket* ticket) {
   std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
   uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
   Region* memory = slot->region->memory.get();
-  Deadline deadline(TimeoutFor(spec));
+  Deadline deadline(ticket->timeout_ms);
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline, [&] {
     std::shared_ptr<Connection> writer;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!slot->region->refusal.empty()) {
+        return FailedPrecondition(what + ": " + slot->region->refusal);
+      }
       writer = slot->region->writer;
     }
     return CheckPeerAlive(writer, what);

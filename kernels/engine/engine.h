@@ -90,12 +90,14 @@ struct RecvSlot;
 struct SendTicket {
   SendSlot* slot = nullptr;
   uint64_t step = 0;
+  int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
 };
 
 // A claimed step of a recv.
 struct RecvTicket {
   RecvSlot* slot = nullptr;
   uint64_t step = 0;
+  int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
   uint8_t* payload = nullptr;  // valid once FinishRecv returned ok
 };
 
@@ -166,6 +168,7 @@ class Engine {
                         const std::string& plan_hash, const std::string& peer,
                         LocalRegion** out);
   Region* RegionForPeer(const Connection& conn, uint32_t id);
+  void RefuseWriter(const std::string& region_name, const Status& why);
   Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);

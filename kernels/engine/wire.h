@@ -14,6 +14,9 @@
 //                 code; body is the reader's region descriptor, or an error.
 //   WRITE         either way (tcp transport only): a=region id, b=offset,
 //                 c=payload bytes, d=notice offset, e=seq; payload follows.
+//   ERROR         reader -> writer: b=body bytes; the body says why the
+//                 reader refuses this writer's data (a plan mismatch found
+//                 after the region was opened). The connection then closes.
 //
 // The format is plain on purpose: a test (or a curious engineer) can speak
 // it from Python with the socket and hmac modules.
@@ -37,6 +40,7 @@ enum FrameType : uint16_t {
   kOpenRequest = 1,
   kOpenReply = 2,
   kWrite = 3,
+  kError = 4,
 };
 
 struct FrameHeader {
