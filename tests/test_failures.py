@@ -296,7 +296,7 @@ def test_each_op_has_its_own_timeout(mixed):
     _, _, out = mixed
     short, longer = out["worker:1"].result["timeouts"]
     _assert_names(short, "'s2'", PEER0, "step 1")
-    _assert_names(longer, "'s2'", PEER0, "step 2")
+    _assert_names(longer, "'s2'", PEER0, "step 1")
     assert short["type"] == longer["type"] == "DeadlineExceededError"
     assert 0.9 <= short["elapsed_s"] <= 2.5, short
     assert 2.9 <= longer["elapsed_s"] <= 5, longer

@@ -1,4 +1,9 @@
-"""The smallest end-to-end check: one tensor, two processes, each transport."""
+"""End-to-end basics over each transport: steps in order, and a late sender.
+
+A recv that times out gives its step back: the next recv of the same tensor
+waits for the same step, so data that arrives after a timeout is not lost
+and the steps of both ends stay paired.
+"""
 
 import pytest
 
@@ -7,23 +12,38 @@ from conftest import run_tasks
 pytestmark = pytest.mark.timeout(120)
 
 PROGRAM = """
-plan = tf_rdma.Plan([tf_rdma.Transfer("x", "worker:0", "worker:1", "int32", [5])])
+plan = tf_rdma.Plan([tf_rdma.Transfer("x", "worker:0", "worker:1", "int32", [5]),
+                     tf_rdma.Transfer("late", "worker:0", "worker:1", "int64", [2])])
 ep = start()
 if task == "worker:0":
     for step in range(3):
         tf_rdma.ops.send(tf.range(5) * (step + 1), plan, "x")
+    time.sleep(1.5)  # the receiver's first recv of "late" times out meanwhile
+    tf_rdma.ops.send(tf.constant([7, 8], tf.int64), plan, "late")
+    tf_rdma.ops.send(tf.constant([9, 10], tf.int64), plan, "late")
     result(tf_rdma.endpoint_info()["pair"])
 else:
     got = [tf_rdma.ops.recv(plan, "x").numpy().tolist() for _ in range(3)]
-    result(got)
+    try:
+        tf_rdma.ops.recv(plan, "late", timeout=0.3)
+        timed_out = None
+    except tf.errors.DeadlineExceededError as e:
+        timed_out = str(e)
+    late = [tf_rdma.ops.recv(plan, "late", timeout=30).numpy().tolist()
+            for _ in range(2)]
+    result({"x": got, "timed_out": timed_out, "late": late})
 """
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_three_steps(transport):
+def test_steps_in_order_and_late_sender(transport):
     out = run_tasks({"worker:0": PROGRAM, "worker:1": PROGRAM},
                     env={"TF_RDMA_TRANSPORT": transport})
-    assert out["worker:1"].result == [[0, 1, 2, 3, 4], [0, 2, 4, 6, 8],
-                                      [0, 3, 6, 9, 12]]
+    r = out["worker:1"].result
+    assert r["x"] == [[0, 1, 2, 3, 4], [0, 2, 4, 6, 8], [0, 3, 6, 9, 12]]
+    assert r["timed_out"] is not None and "'late'" in r["timed_out"]
+    assert "step 1" in r["timed_out"]
+    # The timed-out step was retried, not skipped: both late steps arrive.
+    assert r["late"] == [[7, 8], [9, 10]]
     assert out["worker:0"].result == [
         f"/job:worker/task:0 -> /job:worker/task:1 {transport}"]

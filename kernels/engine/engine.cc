@@ -55,10 +55,19 @@ struct LocalRegion {
   std::string refusal;
 };
 
+// A step that fails is given back (the next op on the slot retries the same
+// step, so a late peer loses nothing) when it is the newest claim. If later
+// steps were already claimed, the step order can no longer be kept: the slot
+// is then poisoned and every later op on it fails with the first error.
+struct StepCounter {
+  uint64_t claimed = 0;  // last step handed out
+  std::string poisoned;  // non-empty: why the slot can no longer be used
+};
+
 struct SendSlot {
   SlotSpec spec;
   std::mutex mu;
-  uint64_t claimed = 0;  // last step handed out
+  StepCounter steps;
   // Set once by BindSendSlot (under mu), read lock-free after `bound`.
   std::atomic<bool> bound{false};
   std::shared_ptr<Connection> conn;
@@ -69,7 +78,7 @@ struct SendSlot {
 struct RecvSlot {
   SlotSpec spec;
   std::mutex mu;
-  uint64_t claimed = 0;
+  StepCounter steps;
   LocalRegion* region = nullptr;  // set at the first claim
 };
 
@@ -170,6 +179,26 @@ Status CheckSameSlot(const SlotSpec& spec, const SlotSpec& existing) {
                          std::to_string(spec.offset) + " of region '" +
                          spec.region + "' with a different layout than tensor '" +
                          existing.tensor_name + "'");
+}
+
+Status ClaimStep(StepCounter* steps, const SlotSpec& spec, uint64_t* step) {
+  if (!steps->poisoned.empty()) {
+    return FailedPrecondition("tensor '" + spec.tensor_name +
+                              "' cannot move any more: " + steps->poisoned);
+  }
+  *step = ++steps->claimed;
+  return Status::Ok();
+}
+
+// Called with the slot's mutex held, after step `step` failed with `why`.
+void GiveBackStep(StepCounter* steps, uint64_t step, const Status& why) {
+  if (steps->claimed == step) {
+    --steps->claimed;
+  } else if (steps->poisoned.empty()) {
+    steps->poisoned = "step " + std::to_string(step) +
+                      " failed while later steps were in flight (" +
+                      why.message() + ")";
+  }
 }
 
 Status CheckNewSlot(const SlotSpec& spec, const std::string& own_task) {
@@ -949,8 +978,8 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
     slot = entry.get();
   }
   std::lock_guard<std::mutex> lock(slot->mu);
+  TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
   ticket->slot = slot;
-  ticket->step = ++slot->claimed;
   ticket->timeout_ms = TimeoutFor(spec);
   return Status::Ok();
 }
@@ -1043,6 +1072,15 @@ bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
 }
 
 Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
+  Status s = SendStep(ticket, data);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(ticket.slot->mu);
+    GiveBackStep(&ticket.slot->steps, ticket.step, s);
+  }
+  return s;
+}
+
+Status Engine::SendStep(const SendTicket& ticket, const void* data) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
   std::string what = "tf_rdma send of " + spec.Describe(ticket.step);
@@ -1102,8 +1140,8 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
     slot = entry.get();
   }
   std::lock_guard<std::mutex> lock(slot->mu);
+  TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
   ticket->slot = slot;
-  ticket->step = ++slot->claimed;
   ticket->timeout_ms = TimeoutFor(spec);
   return Status::Ok();
 }
@@ -1121,6 +1159,15 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
 }
 
 Status Engine::FinishRecv(RecvTicket* ticket) {
+  Status s = RecvStep(ticket);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(ticket->slot->mu);
+    GiveBackStep(&ticket->slot->steps, ticket->step, s);
+  }
+  return s;
+}
+
+Status Engine::RecvStep(RecvTicket* ticket) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);

@@ -116,7 +116,8 @@ class Engine {
   // "key=value" lines: task, listen port, one "pair=" line per connection.
   std::string Info();
 
-  // Send: ClaimSend in op order, then FinishSend (may block, bounded).
+  // Send: ClaimSend in op order, then FinishSend (may block, bounded). A
+  // step that fails is retried by the next op on the slot (see StepCounter).
   // TrySendNow does it all without blocking if the slot is connected and
   // the credit is already there; returns false if it would have to wait.
   Status ClaimSend(const SlotSpec& spec, SendTicket* ticket);
@@ -170,6 +171,8 @@ class Engine {
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
   Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
+  Status SendStep(const SendTicket& ticket, const void* data);
+  Status RecvStep(RecvTicket* ticket);
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);
   int64_t TimeoutFor(const SlotSpec& spec) const;
