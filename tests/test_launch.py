@@ -1,22 +1,23 @@
-"""Tests of ``tf-rdma launch`` (tf_rdma.launch and tf_rdma.cli).
+"""Tests of ``tf-rdma launch``: the real launcher, real servers, real clients.
 
-Two groups:
+Every launch here is ``python -m tf_rdma.cli launch ...``, which starts real
+``python -m tf_rdma.server`` processes; the commands are real TensorFlow
+clients or plain programs. Each launch costs several TensorFlow imports (the
+launcher, every server, a TensorFlow client), so the file starts all of its
+launches at once, in a module fixture, and each test then checks its own:
+the imports overlap instead of adding up.
 
-* Tests against the real ``python -m tf_rdma.server``: they need the op library
-  and skip with a reason where it is not built.
-* Tests of the launcher's own behaviour (start-up failures, exit codes,
-  signals, teardown, shared-memory clean-up) against a stand-in server that
-  keeps the same contract (ready line on stdout, exit 0 on SIGTERM/SIGINT) and
-  listens on the real gRPC and endpoint ports. They need no TensorFlow.
+Argument errors are checked in-process through ``tf_rdma.cli.main``: they
+exit before any server starts.
 
-Every process is started with a timeout and killed at the end of its test.
+Every launcher runs in its own process group, every wait has a timeout, and
+the groups are killed at the end of the module, whatever happened.
 """
 
-import glob
-import importlib.util
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,85 +28,63 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+from conftest import shm_segments
+from tf_rdma import cli
+
+pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
+#: How long a launch may take from start to exit while all of them run at once.
+LAUNCH_TIMEOUT_S = 150
+#: --timeout-start for the launches: generous, since all of them start together.
+START_TIMEOUT_S = "120"
 
-def _package_locations():
-    locations = [str(REPO / "tf_rdma")]
-    spec = importlib.util.find_spec("tf_rdma")
-    if spec is not None and spec.submodule_search_locations:
-        locations += list(spec.submodule_search_locations)
-    return locations
-
-
-def _op_library_built():
-    return any(glob.glob(os.path.join(loc, "_tf_rdma_ops*.so")) for loc in _package_locations())
+SECRET = "launch-test-" + secrets.token_hex(8)
+PORT_OFFSET = 123
 
 
-def _server_module_present():
-    return any(os.path.exists(os.path.join(loc, "server.py")) for loc in _package_locations())
-
-
-def needs_server(test):
-    """Skips a test that needs the real tf_rdma.Server and its op library."""
-    test = pytest.mark.skipif(not _server_module_present(), reason="tf_rdma/server.py not present")(test)
-    return pytest.mark.skipif(not _op_library_built(), reason="tf_rdma op library not built")(test)
-
-
-# --------------------------------------------------------------------------- process helpers
+# --------------------------------------------------------------------------- processes
 
 
 def pid_alive(pid):
     """True if a process with this pid exists and is not a zombie."""
     try:
-        import psutil  # optional
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-    try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    # The state is the field after the parenthesised command name.
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    return stat[stat.rindex(")") + 2] not in "ZX"  # the state follows the command name
 
 
 def wait_dead(pids, timeout):
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(pid_alive(p) for p in pids):
-            return True
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return not any(pid_alive(p) for p in pids)
+    return True
 
 
-def shm_files(pids):
-    found = []
-    for pid in pids:
-        found += glob.glob(f"/dev/shm/tfrdma.{pid}.*")
-    return found
+class Launch:
+    """A ``python -m tf_rdma.cli launch`` process whose output lines are timestamped."""
 
-
-class Launcher:
-    """A ``tf-rdma launch`` subprocess whose output is collected by threads."""
-
-    def __init__(self, args, env=None, extra_path=None):
-        full_env = dict(os.environ)
-        for name in ("TF_CONFIG", "TF_RDMA_ENDPOINTS", "TF_RDMA_SECRET", "TF_RDMA_PORT_OFFSET"):
-            full_env.pop(name, None)
-        paths = [str(REPO)] + ([str(extra_path)] if extra_path else [])
-        if full_env.get("PYTHONPATH"):
-            paths.append(full_env["PYTHONPATH"])
-        full_env["PYTHONPATH"] = os.pathsep.join(paths)
+    def __init__(self, args, env=None, nice=0):
+        full_env = {
+            k: v for k, v in os.environ.items()
+            if k != "TF_CONFIG" and not k.startswith("TF_RDMA_")
+        }
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+        )
+        full_env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        full_env["PYTHONUNBUFFERED"] = "1"
         full_env.update(env or {})
+        self.args = args
+        self.started = time.monotonic()
+        self.ended = None  # when the launcher exited, set by _reap
+        self._reaped = threading.Event()
         self.proc = subprocess.Popen(
             [PY, "-m", "tf_rdma.cli", "launch", *args],
             cwd=REPO,
@@ -114,157 +93,274 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # its own process group, for kill_group
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
-        self.stdout = []
-        self.stderr = []
+        self.lines = {"stdout": [], "stderr": []}  # (monotonic time, line)
         self._changed = threading.Condition()
         self._threads = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout), daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr), daemon=True),
+            threading.Thread(target=self._pump, args=(getattr(self.proc, name), name), daemon=True)
+            for name in self.lines
         ]
-        for t in self._threads:
-            t.start()
+        for thread in self._threads:
+            thread.start()
+        threading.Thread(target=self._reap, daemon=True).start()
 
-    def _pump(self, stream, lines):
+    def _reap(self):
+        self.proc.wait()
+        self.ended = time.monotonic()
+        self._reaped.set()
+
+    def _pump(self, stream, name):
         for line in stream:
             with self._changed:
-                lines.append(line.rstrip("\n"))
+                self.lines[name].append((time.monotonic(), line.rstrip("\n")))
                 self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()
 
-    def wait_for(self, pattern, timeout=60, stream="stderr"):
-        """Waits for a line matching the regex; returns the match."""
+    def _done(self):
+        return self.proc.poll() is not None and not any(t.is_alive() for t in self._threads)
+
+    def wait_for(self, pattern, stream="stderr", timeout=LAUNCH_TIMEOUT_S):
+        """Returns (time, match) of the first line matching the regex."""
         regex = re.compile(pattern)
-        lines = self.stderr if stream == "stderr" else self.stdout
-        deadline = time.monotonic() + timeout
+        deadline = self.started + timeout
         with self._changed:
             while True:
-                for line in lines:
+                for stamp, line in self.lines[stream]:
                     match = regex.search(line)
                     if match:
-                        return match
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not any(t.is_alive() for t in self._threads)):
-                    raise AssertionError(
-                        f"no line matching {pattern!r} on {stream}; output so far:\n{self.output()}"
-                    )
-                self._changed.wait(min(left, 0.2))
+                        return stamp, match
+                if time.monotonic() > deadline or self._done():
+                    raise AssertionError(f"no line matching {pattern!r} on {stream}\n{self.output()}")
+                self._changed.wait(0.2)
 
-    def wait(self, timeout=90):
+    def has(self, pattern, stream="stderr"):
+        with self._changed:
+            return any(re.search(pattern, line) for _, line in self.lines[stream])
+
+    def wait(self, timeout=None):
+        """Waits for the launcher to exit; returns its status."""
+        left = self.started + LAUNCH_TIMEOUT_S - time.monotonic() if timeout is None else timeout
         try:
-            code = self.proc.wait(timeout)
+            code = self.proc.wait(max(left, 0.1))
         except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"launcher did not exit within {timeout} s:\n{self.output()}")
-        for t in self._threads:
-            t.join(10)
+            self.kill_group()
+            raise AssertionError(f"launcher did not exit in time\n{self.output()}") from None
+        self._reaped.wait(10)
+        for thread in self._threads:
+            thread.join(10)
         return code
 
-    def output(self):
-        return "--- stdout\n" + "\n".join(self.stdout) + "\n--- stderr\n" + "\n".join(self.stderr)
-
     def server_pids(self):
-        return [int(m) for m in re.findall(r"tf-rdma launch: started \S+ pid=(\d+)", "\n".join(self.stderr))]
+        with self._changed:
+            text = "\n".join(line for _, line in self.lines["stderr"])
+        return [int(pid) for pid in re.findall(r"^tf-rdma launch: started \S+ pid=(\d+)$", text, re.M)]
 
-    def kill(self):
-        pids = self.server_pids()
-        if self.proc.poll() is None:
-            self.proc.kill()
+    def output(self):
+        with self._changed:
+            return "\n".join(
+                f"--- {name} of launch {self.args}\n" + "\n".join(line for _, line in lines)
+                for name, lines in self.lines.items()
+            )
+
+    def kill_group(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
             self.proc.wait(10)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        except subprocess.TimeoutExpired:
+            pass
 
 
-@pytest.fixture
-def launchers():
-    started = []
-
-    def start(args, **kwargs):
-        launcher = Launcher(args, **kwargs)
-        started.append(launcher)
-        return launcher
-
-    yield start
-    for launcher in started:
-        launcher.kill()
-
-
-def client(code):
-    """A CMD that runs Python code."""
+def python(code):
+    """A command that runs Python code."""
     return [PY, "-c", textwrap.dedent(code)]
 
 
-# --------------------------------------------------------------------------- real server
+# --------------------------------------------------------------------------- the launches
 
-
-CONNECT_CODE = """
-    import json, os, sys
+# A TensorFlow client: it reports what the launcher gave it, runs an op on
+# worker 1, sends a tensor from worker 0 to worker 1 through tf_rdma (so that
+# the servers hold shared-memory segments), and then sleeps until it is stopped.
+CLIENT = """
+    import json, os, time
     config = json.loads(os.environ["TF_CONFIG"])
-    assert "task" not in config, config
-    cluster = config["cluster"]
-    assert len(cluster["worker"]) == 2, cluster
-    assert os.environ.get("TF_RDMA_SECRET"), "no secret"
+    print("CONFIG " + json.dumps(config), flush=True)
+    print("SECRET " + os.environ.get("TF_RDMA_SECRET", ""), flush=True)
     import tensorflow as tf
-    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+    import tf_rdma
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(config["cluster"]))
     with tf.device("/job:worker/task:1"):
         x = tf.constant(1.0) + 1
-    assert float(x.numpy()) == 2.0, x
-    print("client ok", flush=True)
+    plan = tf_rdma.Plan([tf_rdma.Transfer("x", "worker:0", "worker:1", "float32", [4])])
+
+    @tf.function
+    def step():
+        with tf.device("/job:worker/task:0"):
+            tf_rdma.ops.send(tf.range(4, dtype=tf.float32), plan, "x")
+        with tf.device("/job:worker/task:1"):
+            return tf_rdma.ops.recv(plan, "x") * 2
+
+    y = step()
+    print("CLIENT " + json.dumps({"x": float(x.numpy()), "x_device": x.device,
+                                  "y": y.numpy().tolist(), "pid": os.getpid()}), flush=True)
+    time.sleep(300)
 """
 
+LAUNCHES = {
+    # ps + 2 workers, a given secret and port offset, a TensorFlow client;
+    # stopped by SIGINT in test_sigint_stops_everything_and_removes_segments.
+    "client": (
+        ["--ps", "1", "-n", "2", "--timeout-start", START_TIMEOUT_S, "--", *python(CLIENT)],
+        {"TF_RDMA_SECRET": SECRET, "TF_RDMA_PORT_OFFSET": str(PORT_OFFSET)},
+    ),
+    # The others are started with a lower priority: the client launch, three
+    # TensorFlow imports in a row, is the one that takes longest.
+    "exit3": (
+        ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", *python("""
+            import os, sys
+            print("SECRET " + os.environ["TF_RDMA_SECRET"], flush=True)
+            sys.exit(3)
+        """)],
+        None,
+    ),
+    "killed": (
+        ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--",
+         *python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")],
+        None,
+    ),
+    "not_found": (
+        ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", "/nonexistent/tf-rdma-test-command", "x"],
+        None,
+    ),
+    # The real server refuses the setting (ConfigError) and exits before it is ready.
+    "server_fails": (
+        ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", *python("print('command ran')")],
+        {"TF_RDMA_TRANSPORT": "bogus"},
+    ),
+}
 
-@needs_server
-def test_real_two_workers_run_client(launchers):
-    launcher = launchers(["-n", "2", "--", *client(CONNECT_CODE)])
-    code = launcher.wait(110)
-    assert code == 0, launcher.output()
-    assert "client ok" in launcher.stdout, launcher.output()
-    assert len(launcher.server_pids()) == 2
-    assert wait_dead(launcher.server_pids(), 5), launcher.output()
+
+@pytest.fixture(scope="module")
+def launches():
+    started = {}
+    try:
+        for name, (args, env) in LAUNCHES.items():
+            started[name] = Launch(args, env, nice=0 if name == "client" else 5)
+        yield started
+    finally:
+        for launch in started.values():
+            pids = launch.server_pids()
+            launch.kill_group()
+            if wait_dead(pids, 10):
+                for name in shm_segments(pids):  # only after a failure: tests check it is empty
+                    os.unlink(os.path.join("/dev/shm", name))
 
 
-@needs_server
-def test_real_exit_code_propagated(launchers):
-    launcher = launchers(["-n", "1", "--", *client("import sys; sys.exit(3)")])
-    assert launcher.wait(110) == 3, launcher.output()
+def ready_lines(launch):
+    """{task: (grpc, endpoint)} from the servers' ready lines, as the launcher forwards them."""
+    with launch._changed:
+        lines = [line for _, line in launch.lines["stderr"]]
+    found = {}
+    for line in lines:
+        match = re.match(r"^\[\w+:\d+\] tf_rdma server ready: (\S+) grpc=(\S+) endpoint=(\S+)$", line)
+        if match:
+            found[match[1]] = (match[2], match[3])
+    return found
 
 
-@needs_server
-def test_real_sigint_tears_everything_down(launchers):
-    launcher = launchers(
-        ["-n", "2", "--", *client("import os, time; print('cmd pid', os.getpid(), flush=True); time.sleep(300)")]
-    )
-    cmd_pid = int(launcher.wait_for(r"cmd pid (\d+)", 100, stream="stdout").group(1))
-    server_pids = launcher.server_pids()
-    assert len(server_pids) == 2
-    started = time.monotonic()
-    launcher.proc.send_signal(signal.SIGINT)
-    code = launcher.wait(30)
-    assert time.monotonic() - started < 20, launcher.output()
-    assert code == 130, launcher.output()
+def port(address):
+    return int(address.rsplit(":", 1)[1])
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_client_gets_cluster_secret_and_offset(launches):
+    launch = launches["client"]
+    _, match = launch.wait_for(r"^CLIENT (.*)$", stream="stdout")
+    result = json.loads(match[1])
+    assert result["x"] == 2.0 and "/task:1/" in result["x_device"], result
+    assert result["y"] == [0.0, 2.0, 4.0, 6.0], result
+
+    # TF_CONFIG is the cluster alone (the command is the client), and the
+    # secret is the one from the environment, not a generated one.
+    config = json.loads(launch.wait_for(r"^CONFIG (.*)$", stream="stdout")[1][1])
+    assert set(config) == {"cluster"}, config
+    cluster = config["cluster"]
+    assert {job: len(tasks) for job, tasks in cluster.items()} == {"worker": 2, "ps": 1}, cluster
+    assert launch.wait_for(r"^SECRET (.*)$", stream="stdout")[1][1] == SECRET
+
+    # Every server said it was ready at its gRPC address with its endpoint at
+    # gRPC port + TF_RDMA_PORT_OFFSET.
+    ready = ready_lines(launch)
+    tasks = {f"/job:{job}/task:{i}": address for job, addresses in cluster.items()
+             for i, address in enumerate(addresses)}
+    assert set(ready) == set(tasks), launch.output()
+    for task, (grpc, endpoint) in ready.items():
+        assert grpc == tasks[task], (task, grpc, tasks)
+        assert port(endpoint) == port(grpc) + PORT_OFFSET, (task, grpc, endpoint)
+    assert len(launch.server_pids()) == 3, launch.output()
+
+
+def test_sigint_stops_everything_and_removes_segments(launches):
+    launch = launches["client"]
+    _, match = launch.wait_for(r"^CLIENT (.*)$", stream="stdout")
+    cmd_pid = json.loads(match[1])["pid"]
+    server_pids = launch.server_pids()
     pids = server_pids + [cmd_pid]
-    assert wait_dead(pids, 5), launcher.output()
-    assert shm_files(pids) == [], launcher.output()
+    assert len(server_pids) == 3 and all(pid_alive(p) for p in pids), launch.output()
+    # The transfer left the servers holding segments: the clean-up has work to do.
+    assert shm_segments(server_pids), "the servers hold no /dev/shm/tfrdma.* segments"
+
+    sent = time.monotonic()
+    launch.proc.send_signal(signal.SIGINT)
+    code = launch.wait(timeout=30)
+    assert code == 130, launch.output()
+    assert time.monotonic() - sent < 20, launch.output()
+    assert wait_dead(pids, 5), launch.output()
+    assert shm_segments(pids) == [], launch.output()
 
 
-@needs_server
-def test_real_ps_and_workers(launchers):
-    code = """
-        import json, os
-        cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-        assert len(cluster["ps"]) == 1 and len(cluster["worker"]) == 2, cluster
-        print("shape ok", flush=True)
-    """
-    launcher = launchers(["--ps", "1", "-n", "2", "--", *client(code)])
-    assert launcher.wait(110) == 0, launcher.output()
-    assert "shape ok" in launcher.stdout
-    assert len(launcher.server_pids()) == 3
-    for task in ("/job:ps/task:0", "/job:worker/task:0", "/job:worker/task:1"):
-        assert any(f"started {task} pid=" in line for line in launcher.stderr), launcher.output()
+def test_command_exit_status_and_generated_secret(launches):
+    launch = launches["exit3"]
+    assert launch.wait() == 3, launch.output()
+    # No TF_RDMA_SECRET in the environment: the launcher made one up.
+    assert re.fullmatch(r"[0-9a-f]{64}", launch.wait_for(r"^SECRET (.*)$", stream="stdout")[1][1])
+    launch.wait_for(r"^tf-rdma launch: cluster ready: ")
+    assert wait_dead(launch.server_pids(), 5), launch.output()
+
+
+def test_command_killed_by_signal(launches):
+    launch = launches["killed"]
+    assert launch.wait() == 128 + signal.SIGKILL, launch.output()
+    assert wait_dead(launch.server_pids(), 5), launch.output()
+
+
+def test_command_not_found(launches):
+    launch = launches["not_found"]
+    assert launch.wait() == 127, launch.output()
+    launch.wait_for(r"^tf-rdma launch: could not run /nonexistent/tf-rdma-test-command x: .*No such file")
+    assert wait_dead(launch.server_pids(), 5), launch.output()
+
+
+def test_server_failing_at_start(launches):
+    launch = launches["server_fails"]
+    assert launch.wait() == 1, launch.output()
+    launch.wait_for(
+        r"^tf-rdma launch: the server for /job:worker/task:0 exited with status 2 before it was ready"
+    )
+    # The server's own error line, as it printed it, under the launcher's report.
+    launch.wait_for(r"^    \[worker:0\] tf_rdma server: TF_RDMA_TRANSPORT='bogus' is not one of")
+    # Quickly: as soon as the server exited, not after --timeout-start.
+    error_at, _ = launch.wait_for(r"^\[worker:0\] tf_rdma server: TF_RDMA_TRANSPORT='bogus'")
+    assert launch.ended - error_at < 10, launch.output()
+    assert not launch.has(r"cluster ready") and not launch.has("command ran", stream="stdout")
+    assert wait_dead(launch.server_pids(), 5), launch.output()
 
 
 # --------------------------------------------------------------------------- arguments
@@ -280,270 +376,36 @@ def test_real_ps_and_workers(launchers):
         (["--", "true"], "-n"),
         (["-n", "1", "--ps", "-1", "--", "true"], "negative"),
         (["-n", "1", "--timeout-start", "0", "--", "true"], "positive"),
+        (["-n", "1", "--server-module", "x", "--", "true"], "unrecognized arguments"),
     ],
 )
-def test_bad_arguments_exit_2(args, message):
-    result = subprocess.run(
-        [PY, "-m", "tf_rdma.cli", "launch", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 2, result
-    assert "usage:" in result.stderr and message in result.stderr, result.stderr
+def test_bad_arguments_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err, err
 
 
-def test_bad_port_offset_is_usage_error():
-    env = dict(os.environ, TF_RDMA_PORT_OFFSET="70000")
-    result = subprocess.run(
-        [PY, "-m", "tf_rdma.cli", "launch", "-n", "1", "--", "true"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, env=env,
-    )
-    assert result.returncode == 2
-    assert "TF_RDMA_PORT_OFFSET='70000'" in result.stderr
+def test_bad_port_offset_is_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("TF_RDMA_PORT_OFFSET", "70000")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", "-n", "1", "--", "true"])
+    assert exit_.value.code == 2
+    assert "TF_RDMA_PORT_OFFSET='70000'" in capsys.readouterr().err
 
 
-def test_cli_help_and_unknown_subcommand():
-    for args in (["--help"], ["launch", "--help"]):
-        result = subprocess.run(
-            [PY, "-m", "tf_rdma.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 0, result
-        assert "launch" in result.stdout
-    result = subprocess.run(
-        [PY, "-m", "tf_rdma.cli", "launch", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert "--timeout-start" in result.stdout and "-- CMD" in result.stdout
-    result = subprocess.run(
-        [PY, "-m", "tf_rdma.cli", "frobnicate"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 2 and "invalid choice" in result.stderr
-    result = subprocess.run([PY, "-m", "tf_rdma.cli"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-
-
-def test_cli_help_does_not_import_tensorflow():
-    code = (
-        "import sys\n"
-        "from tf_rdma import cli\n"
-        "try:\n"
-        "    cli.main(['launch', '--help'])\n"
-        "except SystemExit as e:\n"
-        "    assert e.code == 0\n"
-        "assert 'tensorflow' not in sys.modules\n"
-    )
-    subprocess.run([PY, "-c", code], cwd=REPO, check=True, timeout=60, capture_output=True)
-
-
-# --------------------------------------------------------------------------- stand-in server
-
-# Keeps the server's contract: listens on its gRPC address and its endpoint,
-# creates a shared-memory segment named like the engine's, prints the ready
-# line, exits 0 on SIGTERM/SIGINT. It leaves its segment behind on purpose
-# (the launcher must remove it). FAKE_FAIL / FAKE_HANG / FAKE_STUBBORN name a
-# task that fails at start, never gets ready, or ignores SIGTERM.
-FAKE_SERVER = r'''
-import argparse, json, os, signal, socket, sys, time
-from tf_rdma import cluster as C
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--job", required=True)
-parser.add_argument("--task", type=int, required=True)
-args = parser.parse_args()
-task = C.canonical_task(args.job, args.task)
-assert C.task_from_tf_config() == (args.job, args.task)
-cluster = C.cluster_from_tf_config()
-grpc = cluster[args.job][args.task]
-endpoint = C.endpoints(cluster)[task]
-print(f"starting {task} secret={os.environ['TF_RDMA_SECRET']}", file=sys.stderr, flush=True)
-if os.environ.get("FAKE_FAIL") == task:
-    print("something went wrong", file=sys.stderr, flush=True)
-    print("fatal: cannot start", file=sys.stderr, flush=True)
-    sys.exit(7)
-sockets = []
-for address in (grpc, endpoint):
-    host, port = C.split_address(address)
-    s = socket.socket()
-    s.bind((host, port))
-    s.listen()
-    sockets.append(s)
-with open(f"/dev/shm/tfrdma.{os.getpid()}.0.region", "w") as f:
-    f.write("x")
-stop = []
-if os.environ.get("FAKE_STUBBORN") == task:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-else:
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-signal.signal(signal.SIGINT, lambda *a: stop.append(1))
-if os.environ.get("FAKE_HANG") != task:
-    print(f"tf_rdma server ready: {task} grpc={grpc} endpoint={endpoint}", flush=True)
-while not stop:
-    time.sleep(0.02)
-print(f"{task} stopping", file=sys.stderr, flush=True)
-sys.exit(0)
-'''
-
-
-@pytest.fixture
-def fake(tmp_path, launchers):
-    (tmp_path / "fake_tfrdma_server.py").write_text(FAKE_SERVER)
-
-    def start(args, env=None):
-        return launchers(["--server-module", "fake_tfrdma_server", *args], env=env, extra_path=tmp_path)
-
-    return start
-
-
-def test_fake_cluster_runs_command_and_cleans_up(fake):
-    code = """
-        import json, os, re
-        config = json.loads(os.environ["TF_CONFIG"])
-        assert set(config) == {"cluster"}, config
-        assert list(config["cluster"]) == ["worker"] and len(config["cluster"]["worker"]) == 2
-        assert re.fullmatch("[0-9a-f]{64}", os.environ["TF_RDMA_SECRET"])
-        print("secret", os.environ["TF_RDMA_SECRET"], flush=True)
-        print("cmd pid", os.getpid(), flush=True)
-        open(f"/dev/shm/tfrdma.{os.getpid()}.3", "w").close()
-    """
-    launcher = fake(["-n", "2", "--", *client(code)])
-    assert launcher.wait() == 0, launcher.output()
-    secret = launcher.wait_for(r"^secret (\w+)$", stream="stdout").group(1)
-    cmd_pid = int(launcher.wait_for(r"^cmd pid (\d+)$", stream="stdout").group(1))
-    pids = launcher.server_pids()
-    assert len(pids) == 2
-    # Server output is forwarded, prefixed, and the servers got the same secret.
-    launcher.wait_for(rf"^\[worker:0\] starting /job:worker/task:0 secret={secret}$")
-    launcher.wait_for(rf"^\[worker:1\] starting /job:worker/task:1 secret={secret}$")
-    launcher.wait_for(r"^\[worker:1\] /job:worker/task:1 stopping$")
-    launcher.wait_for(r"^tf-rdma launch: cluster ready: .*\"worker\"")
-    assert wait_dead(pids, 5)
-    assert shm_files(pids + [cmd_pid]) == [], launcher.output()
-
-
-def test_fake_secret_and_offset_from_environment(fake):
-    code = """
-        import json, os
-        from tf_rdma import cluster as C
-        print("secret", os.environ["TF_RDMA_SECRET"], "offset", os.environ["TF_RDMA_PORT_OFFSET"], flush=True)
-        print("endpoints", json.dumps(C.endpoints(C.cluster_from_tf_config())), flush=True)
-    """
-    launcher = fake(["-n", "1", "--", *client(code)], env={"TF_RDMA_SECRET": "s3cret", "TF_RDMA_PORT_OFFSET": "17"})
-    assert launcher.wait() == 0, launcher.output()
-    assert "secret s3cret offset 17" in launcher.stdout
-    endpoints = json.loads(launcher.wait_for(r"^endpoints (.*)$", stream="stdout").group(1))
-    ready = launcher.wait_for(r"tf_rdma server ready: /job:worker/task:0 grpc=(\S+) endpoint=(\S+)")
-    grpc, endpoint = ready.group(1), ready.group(2)
-    assert endpoints == {"/job:worker/task:0": endpoint}
-    assert int(endpoint.rsplit(":", 1)[1]) == int(grpc.rsplit(":", 1)[1]) + 17
-
-
-def test_fake_ps_and_workers(fake):
-    code = """
-        import json, os
-        cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-        assert len(cluster["ps"]) == 1 and len(cluster["worker"]) == 2, cluster
-    """
-    launcher = fake(["--ps", "1", "-n", "2", "--", *client(code)])
-    assert launcher.wait() == 0, launcher.output()
-    launcher.wait_for(r"^\[ps:0\] starting /job:ps/task:0")
-    assert len(launcher.server_pids()) == 3
-
-
-@pytest.mark.parametrize(
-    "code, expected",
-    [("import sys; sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)],
-)
-def test_fake_exit_status_propagated(fake, code, expected):
-    launcher = fake(["-n", "1", "--", *client(code)])
-    assert launcher.wait() == expected, launcher.output()
-    assert wait_dead(launcher.server_pids(), 5)
-
-
-def test_fake_command_not_found(fake):
-    launcher = fake(["-n", "1", "--", "/nonexistent/tf-rdma-test-command"])
-    assert launcher.wait() == 127, launcher.output()
-    launcher.wait_for("could not run /nonexistent/tf-rdma-test-command")
-    assert wait_dead(launcher.server_pids(), 5)
-
-
-@pytest.mark.parametrize("signum, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_fake_signal_tears_everything_down(fake, signum, expected):
-    launcher = fake(
-        ["-n", "2", "--", *client("import os, time; print('cmd pid', os.getpid(), flush=True); time.sleep(300)")]
-    )
-    cmd_pid = int(launcher.wait_for(r"cmd pid (\d+)", stream="stdout").group(1))
-    pids = launcher.server_pids() + [cmd_pid]
-    assert all(pid_alive(p) for p in pids)
-    started = time.monotonic()
-    launcher.proc.send_signal(signum)
-    assert launcher.wait(30) == expected, launcher.output()
-    assert time.monotonic() - started < 20
-    assert wait_dead(pids, 5), launcher.output()
-    assert shm_files(pids) == [], launcher.output()
-
-
-def test_fake_server_failure_at_start(fake):
-    launcher = fake(
-        ["-n", "2", "--", *client("print('command ran')")], env={"FAKE_FAIL": "/job:worker/task:1"}
-    )
-    assert launcher.wait() == 1, launcher.output()
-    assert "command ran" not in launcher.stdout
-    launcher.wait_for(r"server for /job:worker/task:1 exited with status 7 before it was ready")
-    launcher.wait_for(r"^    \[worker:1\] fatal: cannot start$")
-    assert wait_dead(launcher.server_pids(), 5)
-    assert shm_files(launcher.server_pids()) == []
-
-
-def test_fake_server_start_timeout(fake):
-    launcher = fake(
-        ["-n", "2", "--timeout-start", "3", "--", *client("print('command ran')")],
-        env={"FAKE_HANG": "/job:worker/task:0"},
-    )
-    assert launcher.wait() == 1, launcher.output()
-    assert "command ran" not in launcher.stdout
-    launcher.wait_for(r"server for /job:worker/task:0 was not ready after 3 s")
-    launcher.wait_for(r"^    \[worker:0\] starting /job:worker/task:0")
-    assert wait_dead(launcher.server_pids(), 5)
-
-
-def test_fake_server_dying_while_command_runs(fake):
-    launcher = fake(["-n", "2", "--", *client("import time; time.sleep(300)")])
-    launcher.wait_for(r"cluster ready")
-    os.kill(launcher.server_pids()[1], signal.SIGKILL)
-    assert launcher.wait(30) == 1, launcher.output()
-    launcher.wait_for(r"server for /job:worker/task:1 exited with status 137 .*while the command was running")
-    assert wait_dead(launcher.server_pids(), 5)
-
-
-def test_fake_stubborn_server_is_killed(fake):
-    launcher = fake(["-n", "1", "--", *client("pass")], env={"FAKE_STUBBORN": "/job:worker/task:0"})
-    started = time.monotonic()
-    assert launcher.wait(60) == 0, launcher.output()
-    assert 9 < time.monotonic() - started < 40
-    launcher.wait_for(r"killed /job:worker/task:0 after 10 s")
-    pids = launcher.server_pids()
-    assert wait_dead(pids, 5)
-    assert shm_files(pids) == []
-
-
-def test_fake_second_signal_skips_grace_period(fake):
-    launcher = fake(
-        ["-n", "1", "--", *client("import time; time.sleep(300)")], env={"FAKE_STUBBORN": "/job:worker/task:0"}
-    )
-    launcher.wait_for(r"cluster ready")
-    launcher.proc.send_signal(signal.SIGINT)
-    launcher.wait_for(r"SIGINT: stopping")
-    time.sleep(0.5)
-    started = time.monotonic()
-    launcher.proc.send_signal(signal.SIGINT)
-    assert launcher.wait(30) == 130, launcher.output()
-    assert time.monotonic() - started < 5
-    launcher.wait_for(r"killed /job:worker/task:0 \(interrupted again\)")
-    assert wait_dead(launcher.server_pids(), 5)
-
-
-def test_fake_servers_die_with_a_killed_launcher(fake):
-    launcher = fake(["-n", "2", "--", *client("import time; time.sleep(300)")])
-    launcher.wait_for(r"cluster ready")
-    pids = launcher.server_pids()
-    launcher.proc.kill()
-    launcher.proc.wait(10)
-    assert wait_dead(pids, 15), "servers outlived a SIGKILLed launcher"
+def test_cli_help_and_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--timeout-start" in out and "-- CMD" in out and "TF_RDMA_SECRET" in out
+    assert "--server-module" not in out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0 and "launch" in capsys.readouterr().out
+    for argv, message in (([], "usage:"), (["frobnicate"], "invalid choice")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

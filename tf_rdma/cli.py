@@ -1,7 +1,8 @@
 """The ``tf-rdma`` command line.
 
-Each subcommand lives in its own module and is imported only when it runs,
-so that ``tf-rdma --help`` answers at once, without loading TensorFlow.
+Each subcommand lives in its own module. The command line is part of the
+tf_rdma package, whose import loads TensorFlow and the op library (and so
+checks the installation before anything runs).
 """
 
 import argparse

@@ -31,9 +31,11 @@ use exactly those addresses and the others keep the rule::
     TF_RDMA_ENDPOINTS='{"/job:worker/task:0": "10.0.0.1:7000", "ps:0": "[fd00::9]:7001"}'
 
 A task name may be written ``/job:worker/task:0``, ``/job:worker/replica:0/task:0``,
-``worker:0`` or ``worker/0``. Naming a task that is not in the cluster is an
-error, so that a typo does not go unnoticed. As with the offset, every process
-of the cluster must see the same overrides.
+``worker:0`` or ``worker/0`` (the grammar of
+:func:`tf_rdma.graph_passes.plan.canonical_task`, plus ``worker/0``). Naming a
+task that is not in the cluster is an error, so that a typo does not go
+unnoticed. As with the offset, every process of the cluster must see the same
+overrides.
 
 The rule is checked when the endpoints are computed: a port above 65535, or an
 endpoint that coincides with another task's gRPC address or endpoint on the
@@ -51,7 +53,8 @@ import random
 import re
 import socket
 
-from tf_rdma.errors import ConfigError
+from tf_rdma.errors import ConfigError, PlanError
+from tf_rdma.graph_passes import plan as plan_lib
 
 __all__ = [
     "DEFAULT_PORT_OFFSET",
@@ -87,23 +90,26 @@ TF_CONFIG_ENV = "TF_CONFIG"
 _MAX_PORT = 65535
 _MAX_OFFSET = _MAX_PORT - 1024  # 64511: the smallest unprivileged port plus this still fits.
 
-# TensorFlow's rule for job names (see tensorflow/core/util/device_name_utils.cc).
-_JOB_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
-_TASK_FORMS = (
-    # /job:worker/task:1, job:worker/replica:0/task:1, optionally with a /device:... suffix.
-    re.compile(
-        r"/?job:(?P<job>[^/:]+)(?:/replica:\d+)?/task:(?P<index>\d+)(?:/device:[^/]+)?\Z"
-    ),
-    # worker:1 and worker/1
-    re.compile(r"(?P<job>[^/:]+)[:/](?P<index>\d+)\Z"),
-)
-
 
 # --------------------------------------------------------------------------- task names
 
+# The task-name grammar is the plan's (tf_rdma.graph_passes.plan.canonical_task);
+# this module adds one spelling to it, "worker/1", rewritten to "worker:1" first.
+_SLASH_FORM = re.compile(r"(?P<job>[^/:]+)/(?P<index>[0-9]+)\Z")
+
+
+def _is_job(job):
+    """True if ``job`` is a valid job name, by the plan's task-name grammar."""
+    if not isinstance(job, str):
+        return False
+    try:
+        return plan_lib.canonical_task(f"{job}:0") == f"/job:{job}/task:0"
+    except PlanError:
+        return False
+
 
 def _check_job(job, what):
-    if not isinstance(job, str) or not _JOB_RE.match(job):
+    if not _is_job(job):
         raise ConfigError(
             f"{what}: job name {job!r} is not valid: a job name starts with a letter "
             "and has only letters, digits and '_'"
@@ -128,9 +134,8 @@ def canonical_task(job, index=None):
 
     Args:
         job: The job name, such as ``"worker"``. When ``index`` is omitted,
-            ``job`` is instead a whole task name in one of the accepted forms:
-            ``"/job:worker/task:1"``, ``"/job:worker/replica:0/task:1"``,
-            ``"worker:1"`` or ``"worker/1"``.
+            ``job`` is instead a whole task name in one of the forms that
+            :func:`parse_task` accepts.
         index: The task index within the job (an int, or a string of digits).
 
     Returns:
@@ -151,27 +156,32 @@ def canonical_task(job, index=None):
 def parse_task(name):
     """Splits a task name into its job and index.
 
+    The forms are those of :func:`tf_rdma.graph_passes.plan.canonical_task`
+    (``"/job:worker/task:1"``, ``"/job:worker/replica:0/task:1"``, with or
+    without a ``/device:CPU:0`` suffix, ``"job:worker/task:1"``,
+    ``"worker:1"``) plus ``"worker/1"``; surrounding whitespace is ignored.
+
     Args:
-        name: A task name: ``"/job:worker/task:1"``, ``"/job:worker/replica:0/task:1"``,
-            ``"worker:1"`` or ``"worker/1"``.
+        name: A task name, such as ``"/job:worker/task:1"`` or ``"worker:1"``.
 
     Returns:
         A ``(job, index)`` pair, for example ``("worker", 1)``.
 
     Raises:
-        ConfigError: ``name`` is in none of the accepted forms.
+        ConfigError: ``name`` is in none of the accepted forms (the message is
+            the plan's).
     """
-    if isinstance(name, str):
-        text = name.strip()
-        for form in _TASK_FORMS:
-            match = form.match(text)
-            if match:
-                job = _check_job(match["job"], f"task name {name!r}")
-                return job, int(match["index"])
-    raise ConfigError(
-        f"task name {name!r} is not valid: write it as '/job:JOB/task:INDEX' "
-        "(or 'JOB:INDEX'), for example '/job:worker/task:0'"
-    )
+    text = name.strip() if isinstance(name, str) else name
+    if isinstance(text, str):
+        match = _SLASH_FORM.match(text)
+        if match and _is_job(match["job"]):
+            text = f"{match['job']}:{match['index']}"
+    try:
+        canonical = plan_lib.canonical_task(text)
+    except PlanError as err:
+        raise ConfigError(str(err)) from None
+    job, index = canonical[len("/job:") :].split("/task:")
+    return job, int(index)
 
 
 # --------------------------------------------------------------------------- addresses

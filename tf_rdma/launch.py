@@ -150,8 +150,6 @@ def add_arguments(parser):
         default=60.0,
         help="seconds to wait for all servers to be ready; default 60",
     )
-    # For tests and debugging: the module each server runs.
-    parser.add_argument("--server-module", default="tf_rdma.server", help=argparse.SUPPRESS)
     parser.add_argument(
         "command",
         nargs=argparse.REMAINDER,
@@ -217,7 +215,6 @@ def run(args, parser=None):
             host=args.host,
             timeout_start=args.timeout_start,
             command=command,
-            server_module=getattr(args, "server_module", "tf_rdma.server"),
         )
     except ConfigError as err:
         parser.error(str(err))
@@ -344,10 +341,9 @@ class _Server:
 
 
 class _Launcher:
-    def __init__(self, num_workers, num_ps, host, timeout_start, command, server_module):
+    def __init__(self, num_workers, num_ps, host, timeout_start, command):
         self.command = command
         self.timeout_start = timeout_start
-        self.server_module = server_module
         self.out = _Output()
         self.signal = None  # the first SIGINT/SIGTERM the launcher got
         self.signal_count = 0  # how many it got: a second one cuts the teardown short
@@ -431,7 +427,7 @@ class _Launcher:
             argv = [
                 sys.executable,
                 "-m",
-                self.server_module,
+                "tf_rdma.server",
                 "--job",
                 server.job,
                 "--task",
