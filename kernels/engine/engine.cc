@@ -421,18 +421,20 @@ int64_t Engine::TimeoutFor(const SlotSpec& spec) const {
 // Blocking-work threads.
 
 void Engine::Schedule(std::function<void()> fn) {
+  // Every queued item may block until its deadline, so an item must never
+  // wait behind another: unless there are at least as many idle threads as
+  // queued items, start a thread. (An idle thread only leaves the idle count
+  // when it takes an item, so a wake-up in flight is still counted.)
   std::unique_lock<std::mutex> lock(pool_mu_);
   pool_queue_.push_back(std::move(fn));
-  if (pool_idle_ > 0) {
+  if (pool_idle_ >= static_cast<int>(pool_queue_.size())) {
     pool_cv_.notify_one();
     return;
   }
-  // Every queued item may block until its deadline, so a waiting item must
-  // never sit behind another: start a thread whenever none is idle.
   std::thread([this] {
     std::unique_lock<std::mutex> lock(pool_mu_);
     while (true) {
-      if (pool_queue_.empty()) {
+      while (pool_queue_.empty()) {
         ++pool_idle_;
         bool woke = pool_cv_.wait_for(lock, std::chrono::seconds(30), [this] {
           return !pool_queue_.empty();
