@@ -15,8 +15,13 @@ and key, and the receiving task gets the tensor without a copy::
 
 Both ops are stateful; inside a ``tf.function`` TensorFlow runs a ``send``
 even though nothing consumes it. Each call is one step: the n-th ``send`` of
-a key pairs with the n-th ``recv``.
+a key pairs with the n-th ``recv``. Within a function, the sends (and the
+recvs) of one key run in program order; otherwise tf_rdma ops are not ordered
+against other stateful ops, so a ``recv`` may be written before its ``send``
+(see tf_rdma/_tf_private.py).
 """
+
+import weakref
 
 import tensorflow as tf
 
@@ -42,6 +47,25 @@ def _timeout_ms(timeout):
         raise PlanError(f"timeout {timeout!r} must be a positive number of "
                         f"seconds (or None for TF_RDMA_TIMEOUT)")
     return ms
+
+
+# Per graph: the last send / recv op of each (plan, key), so that the next one
+# of the same key runs after it (its step must be the next step).
+_last_op = weakref.WeakKeyDictionary()
+
+
+def _in_step_order(direction, plan, key, build):
+    """Runs build() under a control dependency on the previous op of the key."""
+    if tf.executing_eagerly():
+        return build()
+    graph = tf.compat.v1.get_default_graph()
+    last = _last_op.setdefault(graph, {})
+    previous = last.get((direction, plan.hash, key))
+    with tf.control_dependencies([previous] if previous is not None else []):
+        result = build()
+    op = result if isinstance(result, tf.Operation) else result.op
+    last[(direction, plan.hash, key)] = op
+    return result
 
 
 def _slot_attrs(plan, key, peer, timeout):
@@ -88,7 +112,9 @@ def send(tensor, plan, key, timeout=None, name=None):
     if not tensor.shape.is_compatible_with(slot.shape):
         raise PlanError(f"tensor {key!r} has shape {tensor.shape}, but the plan "
                         f"expects {list(slot.shape)}")
-    return raw_ops().tf_rdma_send(tensor, name=name, **attrs)
+    return _in_step_order(
+        "send", plan, key,
+        lambda: raw_ops().tf_rdma_send(tensor, name=name, **attrs))
 
 
 def recv(plan, key, timeout=None, name=None):
@@ -109,5 +135,7 @@ def recv(plan, key, timeout=None, name=None):
         PlanError: The key is not in the plan.
     """
     slot, attrs = _slot_attrs(plan, key, lambda s: s.src, timeout)
-    return raw_ops().tf_rdma_recv(dtype=tf.as_dtype(slot.dtype), name=name,
-                                  **attrs)
+    return _in_step_order(
+        "recv", plan, key,
+        lambda: raw_ops().tf_rdma_recv(dtype=tf.as_dtype(slot.dtype),
+                                       name=name, **attrs))
