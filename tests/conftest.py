@@ -23,8 +23,9 @@ if REPO not in sys.path:
 
 from tf_rdma import cluster as cluster_lib  # noqa: E402
 
-# Every task program starts with this: the endpoint is up, `task`, `cluster`
-# and `result(obj)` (prints a JSON line the test reads back) are defined.
+# Every task program starts with this: `task`, `cluster`, `start(**kw)` (starts
+# the endpoint), `result(obj)` (prints a JSON line the test reads back) and the
+# file-based `touch` / `wait_file` sync helpers are defined.
 PRELUDE = """
 import json, os, sys, time
 import numpy as np
@@ -36,6 +37,23 @@ def result(obj):
     print("RESULT " + json.dumps(obj), flush=True)
 def start(**kwargs):
     return tf_rdma.start_endpoint(task, cluster, **kwargs)
+# Cross-process ordering for scenarios: one task touches a file in the shared
+# TEST_SYNC_DIR, another waits for it (bounded).
+SYNC_DIR = os.environ.get("TEST_SYNC_DIR", "")
+def touch(name, text="1"):
+    path = os.path.join(SYNC_DIR, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+def wait_file(name, timeout=60):
+    path = os.path.join(SYNC_DIR, name)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no " + path)
+        time.sleep(0.02)
+    with open(path) as f:
+        return f.read()
 """
 
 

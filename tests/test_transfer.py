@@ -56,27 +56,11 @@ def loop_checksum(step):
 PROGRAM = """
 import hashlib
 
-SYNC_DIR = os.environ["TEST_SYNC_DIR"]
-
 def key_of(dtype, shape):
     return dtype + "_" + ("x".join(map(str, shape)) or "scalar")
 
 def sha(t):
     return hashlib.sha256(np.asarray(t.numpy()).tobytes()).hexdigest()
-
-def touch(name):
-    path = os.path.join(SYNC_DIR, name)
-    with open(path + ".tmp", "w") as f:
-        f.write("1")
-    os.rename(path + ".tmp", path)
-
-def wait_file(name, timeout=60):
-    path = os.path.join(SYNC_DIR, name)
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no " + path)
-        time.sleep(0.02)
 
 def make(dtype, shape, seed):
     rng = np.random.default_rng(seed)
