@@ -216,7 +216,13 @@ if task == "worker:0":
 else:
     clean_values = [tf_rdma.ops.recv(clean, "c").numpy().tolist()
                     for _ in range(3)]
+    import resource
+    def cpu_seconds():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    cpu_before = cpu_seconds()
     stalled = error_of(lambda: tf_rdma.ops.recv(stall, "s", timeout=2))
+    stalled["cpu_s"] = cpu_seconds() - cpu_before
     # Each op's own timeout counts, not the one of the slot's first op.
     timeouts = [error_of(lambda: tf_rdma.ops.recv(stall2, "s2", timeout=t))
                 for t in (1, 3)]
@@ -273,6 +279,9 @@ def test_stalled_peer_times_out(mixed):
     _assert_names(error, "'s'", PEER0, "step 1")
     assert error["type"] == "DeadlineExceededError", error
     assert 1.9 <= error["elapsed_s"] <= 6, error
+    # The wait slept (futex) instead of spinning: a 2 s busy wait would cost
+    # about 2 s of CPU.
+    assert error["cpu_s"] < 0.5, error
 
 
 def test_each_op_has_its_own_timeout(mixed):
@@ -373,6 +382,15 @@ report["kernel_wrong_shape"] = error_of(
         stride=slot.stride, depth=slot.depth,
         credit_index=slot.credit_index, shape=list(slot.shape),
         timeout_ms=2000))
+# A slot that does not fit its region (as a hand-made or corrupt plan could say).
+report["region_too_small"] = error_of(
+    lambda: tf_rdma.ops.raw_ops().tf_rdma_send(
+        tf.zeros([4]), tensor_name="x", peer=slot.dst, region=slot.region,
+        plan_hash=plan.hash, region_bytes=4096,
+        credit_bytes=slot.credit_bytes, offset=4096 - 64,
+        stride=slot.stride, depth=slot.depth,
+        credit_index=slot.credit_index, shape=list(slot.shape),
+        timeout_ms=2000))
 report["unknown_peer"] = error_of(
     lambda: tf_rdma.ops.send(tf.zeros([4]), far, "far", timeout=2))
 result(report)
@@ -431,3 +449,9 @@ def test_unknown_peer_task(bad_input):
     _assert_names(error, "unknown peer task", "/job:worker/task:5", "'far'")
     assert error["type"] == "InvalidArgumentError", error
     assert error["elapsed_s"] < 2, error
+
+
+def test_region_too_small(bad_input):
+    error = bad_input["region_too_small"]
+    _assert_names(error, "'x'", "region too small", "4096")
+    assert error["type"] == "InvalidArgumentError", error
