@@ -111,11 +111,14 @@ else:
 """
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
+# Peer death is seen through the pair's socket on both transports (for shm
+# the socket carries only set-up, for tcp the data too): test each.
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def killed(request, tmp_path_factory):
     sync_dir = tmp_path_factory.mktemp("killed")
     cluster = make_cluster(2)
-    env = {"TF_RDMA_TIMEOUT": "30", "TEST_SYNC_DIR": str(sync_dir)}
+    env = {"TF_RDMA_TIMEOUT": "30", "TEST_SYNC_DIR": str(sync_dir),
+           "TF_RDMA_TRANSPORT": request.param}
     procs = {t: spawn_task(t, KILLED, cluster, env)
              for t in ("worker:0", "worker:1")}
     try:
