@@ -359,6 +359,9 @@ del os.environ["TF_RDMA_TRANSPORT"]
 os.environ["TF_RDMA_TIMEOUT"] = "-1"
 report["negative_timeout"] = error_of(start)
 del os.environ["TF_RDMA_TIMEOUT"]
+os.environ["TF_RDMA_POLL_US"] = "lots"
+report["bad_poll"] = error_of(start)
+del os.environ["TF_RDMA_POLL_US"]
 
 # Ops before the endpoint runs.
 report["send_before_start"] = error_of(
@@ -418,7 +421,10 @@ def test_config_errors(bad_input):
     error = bad_input["negative_timeout"]
     assert error is not None and error["type"] == "ConfigError", error
     assert "-1" in error["message"], error
-    for case in ("no_secret", "bogus_transport", "negative_timeout"):
+    error = bad_input["bad_poll"]
+    assert error is not None and error["type"] == "ConfigError", error
+    assert "TF_RDMA_POLL_US" in error["message"] and "lots" in error["message"]
+    for case in ("no_secret", "bogus_transport", "negative_timeout", "bad_poll"):
         assert "ValueError" in bad_input[case]["mro"], bad_input[case]
 
 

@@ -121,7 +121,8 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"listen={listen or addresses[task]}",
              f"secret={settings.secret(secret)}",
              f"transport={settings.transport(transport)}",
-             f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}"]
+             f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}",
+             f"poll_us={settings.poll_microseconds()}"]
     lines += [f"peer={t} {a}" for t, a in sorted(addresses.items()) if t != task]
     with _endpoint_lock:
         if _endpoint is not None:

@@ -8,6 +8,7 @@ ConfigError that names the variable, the value and what is allowed.
 | TF_RDMA_SECRET | (none) | job secret every task must share; `tf-rdma launch` generates one |
 | TF_RDMA_TRANSPORT | auto | auto, shm or tcp: which transports a task accepts (auto: shm when both ends are on one host, else tcp) |
 | TF_RDMA_TIMEOUT | 60 | seconds any op waits for a peer before failing |
+| TF_RDMA_POLL_US | 50 | microseconds a recv polls for its data on TensorFlow's thread before handing the wait to an engine thread (0 to 10000) |
 | TF_RDMA_PORT_OFFSET | 1000 | endpoint port = gRPC port + offset (tf_rdma.cluster) |
 | TF_RDMA_ENDPOINTS | (none) | JSON task → "host:port" overrides (tf_rdma.cluster) |
 """
@@ -18,6 +19,7 @@ from tf_rdma.errors import ConfigError
 
 TRANSPORTS = ("auto", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_POLL_US = 50
 
 
 def secret(value=None, env=None):
@@ -58,3 +60,19 @@ def timeout_seconds(value=None, env=None):
         raise ConfigError(f"TF_RDMA_TIMEOUT={raw!r} is not a number of seconds "
                           f"in (0, 604800]")
     return seconds
+
+
+def poll_microseconds(value=None, env=None):
+    """Returns the recv poll budget: `value`, else TF_RDMA_POLL_US, else 50."""
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_POLL_US")
+    if raw is None or raw == "":
+        return DEFAULT_POLL_US
+    try:
+        us = int(raw)
+    except (TypeError, ValueError):
+        us = -1
+    if not 0 <= us <= 10000:
+        raise ConfigError(f"TF_RDMA_POLL_US={raw!r} is not an integer number "
+                          f"of microseconds in [0, 10000]")
+    return us

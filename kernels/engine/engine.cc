@@ -246,6 +246,13 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                "' is not a positive integer");
       }
       c.timeout_ms = static_cast<int64_t>(v);
+    } else if (key == "poll_us") {
+      uint64_t v;
+      if (!ParseUint(value, &v) || v > 10000) {
+        return InvalidArgument("poll_us '" + value +
+                               "' is not an integer in [0, 10000]");
+      }
+      c.poll_us = static_cast<int64_t>(v);
     } else if (key == "peer") {
       size_t sp = value.find(' ');
       if (sp == std::string::npos) {
@@ -1158,6 +1165,19 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
   }
   ticket->payload = memory->data() + copy + kSlotHeaderBytes;
   return true;
+}
+
+bool Engine::PollRecv(RecvTicket* ticket) {
+  if (TryRecvNow(ticket)) return true;
+  Clock::time_point until =
+      Clock::now() + std::chrono::microseconds(config_.poll_us);
+  while (Clock::now() < until) {
+    for (int i = 0; i < 32; ++i) {
+      if (TryRecvNow(ticket)) return true;
+      CpuRelax();
+    }
+  }
+  return false;
 }
 
 Status Engine::FinishRecv(RecvTicket* ticket) {

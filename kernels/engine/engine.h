@@ -53,6 +53,7 @@ struct EngineConfig {
   std::string secret;             // the job secret (TF_RDMA_SECRET)
   std::string transport = "auto";  // auto | shm | tcp
   int64_t timeout_ms = 60000;     // default bound of every wait
+  int64_t poll_us = 50;           // recv polls this long before handing off
   std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
 
   // Parses "key=value" lines; "peer=<task> <host:port>" may repeat.
@@ -129,6 +130,12 @@ class Engine {
   // the caller owns the slot copy until it calls Release.
   Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket);
   bool TryRecvNow(RecvTicket* ticket);
+  // TryRecvNow, polled for up to config().poll_us microseconds on the
+  // caller's thread. Handing a wait to an engine thread and waking it when
+  // the data lands costs tens of microseconds per transfer (measured: a
+  // 4 KiB ping-pong round trip fell from ~200 to ~50 us with 50 us of
+  // polling); a peer that answers quickly lands within the poll.
+  bool PollRecv(RecvTicket* ticket);
   Status FinishRecv(RecvTicket* ticket);
   void Release(const RecvTicket& ticket);
 

@@ -19,14 +19,6 @@ uint32_t* LowHalf(const std::atomic<uint64_t>* word) {
   return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(word));
 }
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 constexpr int kSpinIterations = 1000;  // ~10-40 us, by CPU
 constexpr int64_t kSliceMs = 50;
 

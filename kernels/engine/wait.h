@@ -51,6 +51,15 @@ Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
                    const Deadline& deadline,
                    const std::function<Status()>& check);
 
+// A hint to the CPU that this thread is busy-waiting.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 // Stores `value` with release ordering and wakes every sleeper on the word.
 void PublishWord(std::atomic<uint64_t>* word, uint64_t value);
 

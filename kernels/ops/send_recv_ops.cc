@@ -4,9 +4,10 @@
 // stride, depth, credit index, sizes, plan hash) so that each op is
 // self-contained: the first op to run on either side sets up the region and
 // the connection, later runs only move data. Both are asynchronous kernels:
-// the common case (credit or data already there) completes inline, anything
-// that must wait moves to an engine thread, so TensorFlow's inter-op threads
-// never block on a peer.
+// the common case (credit or data already there, or data landing within a
+// short poll, TF_RDMA_POLL_US) completes inline; anything that must wait
+// longer moves to an engine thread, so TensorFlow's inter-op threads never
+// block on a peer.
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -156,7 +157,7 @@ class RecvOp : public AsyncOpKernel {
     Engine* engine = Engine::Get();
     RecvTicket ticket;
     OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimRecv(spec_, &ticket)), done);
-    if (engine->TryRecvNow(&ticket)) {
+    if (engine->PollRecv(&ticket)) {
       Emit(ctx, ticket);
       done();
       return;
