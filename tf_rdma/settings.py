@@ -46,33 +46,30 @@ def transport(value=None, env=None):
     return t
 
 
+def _number(variable, value, env, default, parse, valid, expected):
+    """Reads a numeric setting: `value`, else the variable, else `default`."""
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get(variable)
+    if raw is None or raw == "":
+        return default
+    try:
+        number = parse(raw)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not valid(number):
+        raise ConfigError(f"{variable}={raw!r} is not {expected}")
+    return number
+
+
 def timeout_seconds(value=None, env=None):
     """Returns the wait bound in seconds: `value`, else TF_RDMA_TIMEOUT, else 60."""
-    env = os.environ if env is None else env
-    raw = value if value is not None else env.get("TF_RDMA_TIMEOUT")
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not seconds > 0 or seconds > 7 * 24 * 3600:
-        raise ConfigError(f"TF_RDMA_TIMEOUT={raw!r} is not a number of seconds "
-                          f"in (0, 604800]")
-    return seconds
+    return _number("TF_RDMA_TIMEOUT", value, env, DEFAULT_TIMEOUT_S, float,
+                   lambda s: 0 < s <= 7 * 24 * 3600,
+                   "a number of seconds in (0, 604800]")
 
 
 def poll_microseconds(value=None, env=None):
     """Returns the recv poll budget: `value`, else TF_RDMA_POLL_US, else 50."""
-    env = os.environ if env is None else env
-    raw = value if value is not None else env.get("TF_RDMA_POLL_US")
-    if raw is None or raw == "":
-        return DEFAULT_POLL_US
-    try:
-        us = int(raw)
-    except (TypeError, ValueError):
-        us = -1
-    if not 0 <= us <= 10000:
-        raise ConfigError(f"TF_RDMA_POLL_US={raw!r} is not an integer number "
-                          f"of microseconds in [0, 10000]")
-    return us
+    return _number("TF_RDMA_POLL_US", value, env, DEFAULT_POLL_US, int,
+                   lambda us: 0 <= us <= 10000,
+                   "an integer number of microseconds in [0, 10000]")
