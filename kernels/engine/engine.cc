@@ -867,18 +867,25 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
   auto it = data_regions_.find(name);
   if (it != data_regions_.end()) {
     LocalRegion* r = it->second;
+    Status mismatch;
     if (r->plan_hash != plan_hash) {
-      return FailedPrecondition(
+      mismatch = FailedPrecondition(
           "plan hash mismatch for region '" + name + "': one side has plan " +
           r->plan_hash + ", the other has plan " + plan_hash +
           " (both tasks must run the same plan)");
-    }
-    if (r->memory->size() != size || r->peer != writer) {
-      return FailedPrecondition(
+    } else if (r->memory->size() != size || r->peer != writer) {
+      mismatch = FailedPrecondition(
           "region '" + name + "' was set up with " +
           std::to_string(r->memory->size()) + " bytes written by " + r->peer +
           ", now asked for " + std::to_string(size) + " bytes written by " +
           writer);
+    }
+    if (!mismatch.ok()) {
+      // The region's own writer and reader disagree for good: ops already
+      // waiting on it fail with this reason instead of timing out. (Another
+      // task asking for it is only refused; it cannot spoil the region.)
+      if (r->peer == writer) r->refusal = mismatch.message();
+      return mismatch;
     }
     *out = r;
     return Status::Ok();
@@ -915,10 +922,6 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     LocalRegion* region = nullptr;
     s = FindOrCreateDataRegion(f["name"], size, f["plan_hash"], conn->peer,
                                &region);
-    auto existing = data_regions_.find(f["name"]);
-    if (!s.ok() && existing != data_regions_.end()) {
-      existing->second->refusal = s.message();
-    }
     if (s.ok() && region->writer && region->writer != conn) {
       s = FailedPrecondition("region '" + f["name"] +
                              "' already has a connected writer");
@@ -960,7 +963,6 @@ void Engine::RefuseWriter(const std::string& region_name, const Status& why) {
   auto it = data_regions_.find(region_name);
   if (it == data_regions_.end() || !it->second->writer) return;
   std::shared_ptr<Connection> writer = it->second->writer;
-  it->second->refusal = why.message();
   FrameHeader h;
   h.type = kError;
   h.b = why.message().size();
