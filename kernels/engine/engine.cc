@@ -75,6 +75,17 @@ struct SendSlot {
   Region* credits = nullptr;
 };
 
+// A peer's data region that this process writes into, and the credit region
+// here that the peer writes back into: opened with one OPEN request, shared by
+// every slot in it.
+struct SendRegion {
+  std::mutex mu;  // held while opening
+  bool open = false;
+  std::shared_ptr<Connection> conn;
+  int data_handle = -1;
+  Region* credits = nullptr;
+};
+
 struct RecvSlot {
   SlotSpec spec;
   std::mutex mu;
@@ -1001,22 +1012,32 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
   const SlotSpec& spec = slot->spec;
   std::shared_ptr<Connection> conn;
   TF_RDMA_RETURN_IF_ERROR(GetConnection(spec.peer, deadline, &conn));
-  // Several slots share a region; the first one opens it.
-  LocalRegion* credits = nullptr;
-  int data_handle = -1;
+  // Several slots share a region; whichever binds first opens it, the others
+  // wait for it here and then share its connection, handle and credits.
+  SendRegion* region;
   {
     std::lock_guard<std::mutex> elock(mu_);
-    for (auto& other : send_slots_) {
-      SendSlot* o = other.second.get();
-      if (o != nullptr && o != slot && o->bound &&
-          o->spec.region == spec.region) {
-        slot->conn = o->conn;
-        slot->data_handle = o->data_handle;
-        slot->credits = o->credits;
-        slot->bound = true;
-        return Status::Ok();
-      }
-    }
+    auto& entry = send_regions_[spec.region];
+    if (entry == nullptr) entry.reset(new SendRegion);
+    region = entry.get();
+  }
+  std::lock_guard<std::mutex> rlock(region->mu);
+  if (!region->open) {
+    TF_RDMA_RETURN_IF_ERROR(OpenSendRegion(spec, conn, deadline, region));
+  }
+  slot->conn = region->conn;
+  slot->data_handle = region->data_handle;
+  slot->credits = region->credits;
+  slot->bound = true;
+  return Status::Ok();
+}
+
+Status Engine::OpenSendRegion(const SlotSpec& spec,
+                              const std::shared_ptr<Connection>& conn,
+                              const Deadline& deadline, SendRegion* region) {
+  LocalRegion* credits = nullptr;
+  {
+    std::lock_guard<std::mutex> elock(mu_);
     TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(spec.region + "#credit",
                                            spec.credit_bytes, spec.plan_hash,
                                            spec.peer, &credits));
@@ -1041,11 +1062,12 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
   data.id = static_cast<uint32_t>(id);
   ParseUint(reply["size"], &data.size);
   data.shm_name = reply["shm"];
+  int data_handle = -1;
   TF_RDMA_RETURN_IF_ERROR(conn->pair->AddRemoteRegion(data, &data_handle));
-  slot->conn = conn;
-  slot->data_handle = data_handle;
-  slot->credits = credits->memory.get();
-  slot->bound = true;
+  region->conn = conn;
+  region->data_handle = data_handle;
+  region->credits = credits->memory.get();
+  region->open = true;
   return Status::Ok();
 }
 

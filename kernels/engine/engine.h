@@ -86,6 +86,7 @@ struct Connection;
 struct LocalRegion;
 struct SendSlot;
 struct RecvSlot;
+struct SendRegion;
 
 // A claimed step of a send: which copy, and where the payload goes.
 struct SendTicket {
@@ -178,6 +179,9 @@ class Engine {
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
   Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
+  Status OpenSendRegion(const SlotSpec& spec,
+                        const std::shared_ptr<Connection>& conn,
+                        const Deadline& deadline, SendRegion* region);
   Status SendStep(const SendTicket& ticket, const void* data);
   Status RecvStep(RecvTicket* ticket);
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
@@ -203,6 +207,9 @@ class Engine {
   std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
   std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
   std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;
+  // The regions this process writes into, by plan region name: opened once
+  // for all the slots they hold, however many of those bind at the same time.
+  std::map<std::string, std::unique_ptr<SendRegion>> send_regions_;
   std::map<std::string, std::unique_ptr<RecvSlot>> recv_slots_;
 
   // Blocking-work threads (Schedule); grows on demand, idle threads exit.
