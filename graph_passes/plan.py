@@ -571,6 +571,41 @@ class Plan:
             "; the plan has no transfers")
         raise PlanError(f"plan {self._name!r} has no transfer {key!r}{hint}")
 
+    def op_attrs(self, key, side, timeout_ms=-1):
+        """Returns the attrs of the op that sends or receives ``key``.
+
+        This is the contract between a plan and the TfRdmaSend / TfRdmaRecv
+        ops (kernels/ops/send_recv_ops.cc): both the Python wrappers and the
+        graph rewrite build their ops from it. The dtype attr (``T`` of send,
+        ``dtype`` of recv) is not included.
+
+        Args:
+          key: The transfer's key.
+          side: ``"send"`` (the op on ``src``; its peer is ``dst``) or
+            ``"recv"`` (the op on ``dst``; its peer is ``src``).
+          timeout_ms: Milliseconds an op may wait, or -1 for TF_RDMA_TIMEOUT.
+
+        Raises:
+          PlanError: If the plan has no transfer ``key`` or ``side`` is neither.
+        """
+        if side not in ("send", "recv"):
+            raise PlanError(f"side must be 'send' or 'recv', got {side!r}")
+        slot = self.slot(key)
+        return dict(
+            tensor_name=key,
+            peer=slot.dst if side == "send" else slot.src,
+            region=slot.region,
+            plan_hash=self._hash,
+            region_bytes=slot.region_bytes,
+            credit_bytes=slot.credit_bytes,
+            offset=slot.offset,
+            stride=slot.stride,
+            depth=slot.depth,
+            credit_index=slot.credit_index,
+            shape=list(slot.shape),
+            timeout_ms=timeout_ms,
+        )
+
     def _known_task(self, task):
         task = canonical_task(task)
         if task not in self.tasks:

@@ -8,6 +8,7 @@ Main entry points:
     tf_rdma.start_endpoint  the endpoint alone, for non-server processes
     tf_rdma.Plan, Transfer  the static memory plan of cross-task tensors
     tf_rdma.ops.send/recv   the zero-copy transfer ops
+    tf_rdma.rewrite         decorator: a multi-task tf.function's tensors via tf_rdma
 """
 
 import importlib
@@ -17,6 +18,7 @@ from tf_rdma import _loader
 _loader.load()
 
 from tf_rdma import errors, ops  # noqa: E402
+from tf_rdma.decorator import RewrittenFunction, rewrite  # noqa: E402
 from tf_rdma.graph_passes.plan import Plan, Transfer  # noqa: E402
 
 __version__ = "0.1.0"
@@ -25,7 +27,7 @@ __version__ = "0.1.0"
 # runs it as __main__ without a second copy in sys.modules.
 _SERVER_NAMES = ("Endpoint", "Server", "endpoint_info", "start_endpoint")
 
-__all__ = ["Plan", "Transfer", "errors", "ops"] + list(_SERVER_NAMES)
+__all__ = ["Plan", "RewrittenFunction", "Transfer", "errors", "ops", "rewrite"] + list(_SERVER_NAMES)
 
 
 def __getattr__(name):

@@ -36,7 +36,7 @@ def raw_ops():
     return _loader.load().ops
 
 
-def _timeout_ms(timeout):
+def timeout_to_ms(timeout):
     if timeout is None:
         return -1
     try:
@@ -68,24 +68,6 @@ def _in_step_order(direction, plan, key, build):
     return result
 
 
-def _slot_attrs(plan, key, peer, timeout):
-    slot = plan.slot(key)
-    return slot, dict(
-        tensor_name=key,
-        peer=peer(slot),
-        region=slot.region,
-        plan_hash=plan.hash,
-        region_bytes=slot.region_bytes,
-        credit_bytes=slot.credit_bytes,
-        offset=slot.offset,
-        stride=slot.stride,
-        depth=slot.depth,
-        credit_index=slot.credit_index,
-        shape=list(slot.shape),
-        timeout_ms=_timeout_ms(timeout),
-    )
-
-
 def send(tensor, plan, key, timeout=None, name=None):
     """Writes `tensor` into its slot on the receiving task.
 
@@ -104,7 +86,8 @@ def send(tensor, plan, key, timeout=None, name=None):
         PlanError: The key is not in the plan, or the tensor's dtype or shape
             is not the planned one.
     """
-    slot, attrs = _slot_attrs(plan, key, lambda s: s.dst, timeout)
+    slot = plan.slot(key)
+    attrs = plan.op_attrs(key, "send", timeout_to_ms(timeout))
     tensor = tf.convert_to_tensor(tensor)
     if tensor.dtype != tf.as_dtype(slot.dtype):
         raise PlanError(f"tensor {key!r} has dtype {tensor.dtype.name}, but the "
@@ -134,7 +117,8 @@ def recv(plan, key, timeout=None, name=None):
     Raises:
         PlanError: The key is not in the plan.
     """
-    slot, attrs = _slot_attrs(plan, key, lambda s: s.src, timeout)
+    slot = plan.slot(key)
+    attrs = plan.op_attrs(key, "recv", timeout_to_ms(timeout))
     return _in_step_order(
         "recv", plan, key,
         lambda: raw_ops().tf_rdma_recv(dtype=tf.as_dtype(slot.dtype),

@@ -1,0 +1,238 @@
+"""The rewrite pass: from a function's GraphDef to a Plan and a rewritten graph.
+
+:func:`analyze` runs the passes in order — resolve every node's task
+(placement.py), find and classify the edges that cross tasks (transfers.py),
+lay the rewritable ones out in a :class:`~tf_rdma.graph_passes.plan.Plan` —
+and returns an :class:`Analysis`. :func:`rewrite_graph` then swaps each
+planned edge for the tf_rdma ops:
+
+* a ``TfRdmaSend`` on the producer's task takes the tensor and writes it into
+  its slot on the consumers' task; a ``TfRdmaRecv`` there hands the slot to
+  every consumer that used to read the tensor (their inputs are re-pointed,
+  nothing else about them changes);
+* a control edge between tasks becomes a send of an empty ``int8`` tensor
+  that runs after the producer, and a recv the consumers wait for;
+* every node gets the task placement.py chose, written into its device, so
+  that TensorFlow's placer cannot put a producer somewhere the plan did not
+  expect (which would add a gRPC hop in front of the send).
+
+Edges the pass keeps (see transfers.py) and dynamic edges, whose path is not
+built yet, stay exactly as they were: TensorFlow still moves them. After the
+rewrite no planned data edge crosses tasks, so each task's partition runs on
+its own and meets the others only in the slots.
+
+The step contract: every call of the rewritten function is one step, in
+which each planned send and recv runs exactly once (both ops are stateful
+and must run, so TensorFlow never prunes one side of a pair).
+"""
+
+import dataclasses
+import hashlib
+import re
+
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, tensor_pb2
+from tensorflow.core.framework import tensor_shape_pb2, types_pb2
+
+from tf_rdma.errors import PlanError
+from tf_rdma.graph_passes.graph import (
+    DTYPE_ENUMS, GraphView, input_string, task_of)
+from tf_rdma.graph_passes.placement import (
+    DEFAULT_CALLER_DEVICE, resolve_devices)
+from tf_rdma.graph_passes.plan import Plan, Transfer
+from tf_rdma.graph_passes.transfers import (
+    CONTROL, DYNAMIC, KEPT, STATIC, discover_transfers)
+
+CONTROL_TOKEN_DTYPE = "int8"
+_NODE_NAME_BAD = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What the passes found in one graph.
+
+    Attributes:
+      graph_def: The analysed GraphDef (not modified).
+      plan: The :class:`Plan` of the static and control edges.
+      edges: Every cross-task :class:`~tf_rdma.graph_passes.transfers.Edge`,
+        sorted by key, kept and dynamic ones included.
+      placements: ``{node: Placement}``.
+      caller_task: The task the function is called from.
+    """
+
+    graph_def: object
+    plan: Plan
+    edges: tuple
+    placements: dict
+    caller_task: str
+
+    def edges_of_kind(self, *kinds):
+        return [e for e in self.edges if e.kind in kinds]
+
+    @property
+    def planned(self):
+        """Edges that the rewrite moves through tf_rdma."""
+        return self.edges_of_kind(STATIC, CONTROL)
+
+    def to_dict(self):
+        """Everything found, as a JSON-ready dict (``tf-rdma inspect --format json``)."""
+        return {
+            "plan": self.plan.to_dict(),
+            "plan_hash": self.plan.hash,
+            "caller_task": self.caller_task,
+            "edges": [e.to_dict() for e in self.edges],
+            "placements": {n: dataclasses.asdict(p)
+                           for n, p in sorted(self.placements.items())},
+        }
+
+    def summary(self):
+        """A readable multi-line report: the plan, then what stays and why."""
+        lines = [self.plan.summary()]
+        counts = {k: len(self.edges_of_kind(k))
+                  for k in (STATIC, DYNAMIC, CONTROL, KEPT)}
+        lines.append(
+            f"cross-task edges: {len(self.edges)} ({counts[STATIC]} static, "
+            f"{counts[DYNAMIC]} dynamic, {counts[CONTROL]} control, "
+            f"{counts[KEPT]} kept on TensorFlow's path)")
+        for e in self.edges_of_kind(DYNAMIC, KEPT):
+            lines.append(f"  {e.kind}: {e.key} ({e.src} -> {e.dst}): {e.reason}")
+        return "\n".join(lines)
+
+
+def plan_name(base, graph_def):
+    """A plan name from ``base`` and a fingerprint of the graph.
+
+    Two different graphs never share regions, while the same graph traced
+    twice (or planned by two processes) gets the same name.
+    """
+    base = re.sub(r"[^A-Za-z0-9_.\-]", "_", base or "graph").strip("._-")
+    digest = hashlib.sha256(
+        graph_def.SerializeToString(deterministic=True)).hexdigest()[:10]
+    return f"{(base or 'graph')[:60]}.{digest}"
+
+
+def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
+            endpoint_tasks=None, depth=2, name=None):
+    """Runs device resolution, transfer discovery and layout on a GraphDef.
+
+    Args:
+      graph_def: The function's GraphDef, ideally exported with
+        ``add_shapes=True`` (without shapes every edge is dynamic).
+      caller_device: The device the function is called on.
+      arg_devices: ``{placeholder: device}`` of arguments with a known device.
+      endpoint_tasks: Tasks with a tf_rdma endpoint (None: all but the
+        caller's task).
+      depth: Copies per slot in the plan.
+      name: Base of the plan's name (a fingerprint of the graph is appended).
+
+    Returns:
+      An :class:`Analysis`.
+
+    Raises:
+      PlanError: If the graph is malformed or an argument is invalid.
+    """
+    if not isinstance(graph_def, graph_pb2.GraphDef):
+        raise PlanError(
+            f"expected a GraphDef, got {type(graph_def).__name__}")
+    view = GraphView(graph_def)
+    placements = resolve_devices(view, caller_device, arg_devices)
+    caller_task = task_of(caller_device)
+    if endpoint_tasks is not None:
+        endpoint_tasks = {task_of(t) or t for t in endpoint_tasks}
+    edges = discover_transfers(view, placements, endpoint_tasks, caller_task)
+    transfers = []
+    for e in edges:
+        if e.kind == STATIC:
+            transfers.append(Transfer(e.key, e.src, e.dst, e.dtype, e.shape))
+        elif e.kind == CONTROL:
+            transfers.append(
+                Transfer(e.key, e.src, e.dst, CONTROL_TOKEN_DTYPE, [0]))
+    plan = Plan(transfers, name=plan_name(name, graph_def), depth=depth)
+    return Analysis(graph_def, plan, tuple(edges), placements, caller_task)
+
+
+def _attr(value):
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, int):
+        return attr_value_pb2.AttrValue(i=value)
+    if isinstance(value, str):
+        return attr_value_pb2.AttrValue(s=value.encode("utf-8"))
+    raise TypeError(f"no AttrValue for {value!r}")
+
+
+def _shape_attr(dims):
+    return attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in dims]))
+
+
+def _op_node(graph, name, op, device, dtype_attr, dtype, attrs, inputs=()):
+    node = graph.node.add(name=name, op=op, device=device)
+    node.input.extend(inputs)
+    node.attr[dtype_attr].type = DTYPE_ENUMS[dtype]
+    for k, v in attrs.items():
+        node.attr[k].CopyFrom(_shape_attr(v) if k == "shape" else _attr(v))
+    return node
+
+
+def _task_device(task):
+    return task.replace("/task:", "/replica:0/task:")
+
+
+def rewrite_graph(analysis, timeout_ms=-1):
+    """Returns a new GraphDef with every planned edge moved to tf_rdma ops.
+
+    Args:
+      analysis: An :class:`Analysis` from :func:`analyze`.
+      timeout_ms: Per-op wait bound in ms, or -1 for TF_RDMA_TIMEOUT on the
+        task that runs the op.
+    """
+    plan = analysis.plan
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(analysis.graph_def)
+    nodes = {n.name: n for n in out.node}
+    for name, placement in analysis.placements.items():
+        if placement.inferred:
+            nodes[name].device = placement.device
+    used = set(nodes)
+
+    def unique(base):
+        base = _NODE_NAME_BAD.sub("_", base)
+        candidate, i = base, 1
+        while candidate in used:
+            candidate, i = f"{base}_{i}", i + 1
+        used.add(candidate)
+        return candidate
+
+    for edge in analysis.planned:
+        slot = plan.slot(edge.key)
+        send_name = unique(f"tf_rdma/send/{edge.key}")
+        recv_name = unique(f"tf_rdma/recv/{edge.key}")
+        if edge.kind == CONTROL:
+            token = unique(f"{send_name}/token")
+            const = out.node.add(name=token, op="Const",
+                                 device=_task_device(edge.src))
+            const.input.append("^" + edge.producer)
+            const.attr["dtype"].type = types_pb2.DT_INT8
+            const.attr["value"].tensor.CopyFrom(tensor_pb2.TensorProto(
+                dtype=types_pb2.DT_INT8,
+                tensor_shape=tensor_shape_pb2.TensorShapeProto(
+                    dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=0)])))
+            send_input = token
+        else:
+            send_input = input_string(edge.producer, edge.index)
+        _op_node(out, send_name, "TfRdmaSend", _task_device(edge.src), "T",
+                 slot.dtype, plan.op_attrs(edge.key, "send", timeout_ms),
+                 [send_input])
+        _op_node(out, recv_name, "TfRdmaRecv", _task_device(edge.dst),
+                 "dtype", slot.dtype,
+                 plan.op_attrs(edge.key, "recv", timeout_ms))
+        replacement = input_string(recv_name, -1 if edge.kind == CONTROL else 0)
+        for consumer, input_slot in edge.consumers:
+            node = nodes[consumer]
+            if node.input[input_slot] != input_string(edge.producer, edge.index) \
+                    and not node.input[input_slot] == f"{edge.producer}:0":
+                raise PlanError(
+                    f"internal error: input {input_slot} of {consumer!r} is "
+                    f"{node.input[input_slot]!r}, expected {edge.tensor!r}")
+            node.input[input_slot] = replacement
+    return out

@@ -1,0 +1,193 @@
+"""Transfer discovery: every edge that crosses a task boundary, classified.
+
+Once every node has a task (placement.py), an edge crosses when its producer
+and its consumer run on different tasks. Several consumers of one tensor on
+one task share a single transfer (one slot, one write per step); the same
+tensor going to two tasks is two transfers. Each transfer gets a *kind*:
+
+``static``
+    dtype memcpy-able and shape fully known at trace time: a fixed slot.
+``dynamic``
+    memcpy-able, but some dimension (or the rank) is only known at run time:
+    the dynamic path (design.md §3).
+``control``
+    a control edge between tasks: a zero-byte transfer whose arrival orders
+    the consumer after the producer, as the control edge did.
+``kept``
+    stays on TensorFlow's own path, with the reason: strings, variants and
+    resource handles are not memcpy-able; a task without a tf_rdma endpoint
+    (the client, usually) cannot take a one-sided write; a function call or
+    loop whose body spans tasks, or TensorFlow 1 control flow, has edges the
+    pass cannot see through. Keeping an edge is always correct, only slower.
+
+Keys name the tensor and the destination, ``producer:index>job:task`` (or
+``^producer>job:task`` for control), so they are stable across traces of the
+same graph and readable in ``tf-rdma inspect``.
+"""
+
+import dataclasses
+import math
+
+from tf_rdma.graph_passes.graph import V1_CONTROL_FLOW_OPS, task_of
+from tf_rdma.graph_passes.plan import DTYPE_SIZES
+
+STATIC = "static"
+DYNAMIC = "dynamic"
+CONTROL = "control"
+KEPT = "kept"
+KINDS = (STATIC, DYNAMIC, CONTROL, KEPT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """A tensor (or a control edge) that crosses from one task to another.
+
+    Attributes:
+      key: Unique name, ``producer:index>job:task`` or ``^producer>job:task``.
+      producer: The producing node.
+      index: The producer's output index; -1 for a control edge.
+      src: The producer's task.
+      dst: The consumers' task.
+      consumers: ``((node, input slot), ...)`` on ``dst``, sorted.
+      dtype: The dtype name, or None if unknown (control: None).
+      shape: The shape as a tuple (None for an unknown dim), or None when the
+        rank is unknown.
+      kind: One of :data:`KINDS`.
+      reason: Why the edge is ``dynamic`` or ``kept``; empty otherwise.
+    """
+
+    key: str
+    producer: str
+    index: int
+    src: str
+    dst: str
+    consumers: tuple
+    dtype: object
+    shape: object
+    kind: str
+    reason: str = ""
+
+    @property
+    def nbytes(self):
+        """Bytes per step: 0 for control, None when not known statically."""
+        if self.kind == CONTROL:
+            return 0
+        if self.shape is None or None in self.shape or self.dtype not in DTYPE_SIZES:
+            return None
+        return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
+
+    @property
+    def tensor(self):
+        return f"^{self.producer}" if self.index < 0 else f"{self.producer}:{self.index}"
+
+    def to_dict(self):
+        return {"key": self.key, "producer": self.producer, "index": self.index,
+                "src": self.src, "dst": self.dst,
+                "consumers": [list(c) for c in self.consumers],
+                "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape),
+                "nbytes": self.nbytes, "kind": self.kind, "reason": self.reason}
+
+
+def short_task(task):
+    """``"/job:worker/task:1"`` -> ``"worker:1"``."""
+    return task[len("/job:"):].replace("/task:", ":")
+
+
+def _spanning_reasons(view, placements):
+    """``{node: reason}`` for calls / loops whose bodies run on other tasks."""
+    reasons = {}
+    for name in view.nodes:
+        if not view.is_function_call(name):
+            continue
+        here = placements[name].task
+        for fname in view.called_functions(name):
+            for body_node in view.functions[fname].node_def:
+                task = task_of(body_node.device)
+                if task is not None and task != here:
+                    reasons[name] = (
+                        f"{name!r} calls {fname!r}, whose node "
+                        f"{body_node.name!r} is placed on {task} while the "
+                        f"call runs on {here}")
+                    break
+            if name in reasons:
+                break
+        if name not in reasons:
+            for inp in view.inputs[name]:
+                if inp.is_control or placements[inp.producer].task == here:
+                    continue
+                if view.output_dtype(inp.producer, inp.index) == "resource":
+                    reasons[name] = (
+                        f"{name!r} takes the resource {inp.producer!r} from "
+                        f"{placements[inp.producer].task}; its body reads it "
+                        f"remotely")
+                    break
+    return reasons
+
+
+def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None):
+    """Returns every cross-task edge of ``view`` as a sorted list of :class:`Edge`.
+
+    Args:
+      view: A :class:`~tf_rdma.graph_passes.graph.GraphView`.
+      placements: ``{node: Placement}`` from
+        :func:`~tf_rdma.graph_passes.placement.resolve_devices`.
+      endpoint_tasks: Tasks that run a tf_rdma endpoint; an edge to or from
+        any other task is kept. None means every task except ``caller_task``.
+      caller_task: The caller's task (used when ``endpoint_tasks`` is None).
+    """
+    spanning = _spanning_reasons(view, placements)
+    grouped = {}
+    for name in view.nodes:
+        dst = placements[name].task
+        for inp in view.inputs[name]:
+            src = placements[inp.producer].task
+            if src == dst:
+                continue
+            group = grouped.setdefault((inp.producer, inp.index, dst), [])
+            group.append((name, inp.slot))
+
+    edges = []
+    for (producer, index, dst), consumers in grouped.items():
+        src = placements[producer].task
+        consumers = tuple(sorted(consumers))
+        control = index < 0
+        target = short_task(dst)
+        key = f"^{producer}>{target}" if control else f"{producer}:{index}>{target}"
+        dtype = None if control else view.output_dtype(producer, index)
+        shape = None if control else view.output_shape(producer, index)
+        kind, reason = _classify(view, producer, consumers, src, dst, dtype,
+                                 shape, control, spanning, endpoint_tasks,
+                                 caller_task)
+        edges.append(Edge(key, producer, index, src, dst, consumers, dtype,
+                          shape, kind, reason))
+    edges.sort(key=lambda e: e.key)
+    return edges
+
+
+def _classify(view, producer, consumers, src, dst, dtype, shape, control,
+              spanning, endpoint_tasks, caller_task):
+    for task in (src, dst):
+        has_endpoint = (task in endpoint_tasks if endpoint_tasks is not None
+                        else task != caller_task)
+        if not has_endpoint:
+            return KEPT, f"{task} has no tf_rdma endpoint"
+    for node in (producer,) + tuple(c for c, _ in consumers):
+        if node in spanning:
+            return KEPT, f"function body spans tasks: {spanning[node]}"
+        if view.nodes[node].op in V1_CONTROL_FLOW_OPS:
+            return KEPT, (f"{node!r} is TensorFlow 1 control flow "
+                          f"({view.nodes[node].op}), whose tensors may be dead")
+    if control:
+        return CONTROL, ""
+    if dtype is None:
+        return KEPT, (f"the output dtype of {producer!r} "
+                      f"({view.nodes[producer].op}) is not known")
+    if dtype not in DTYPE_SIZES:
+        return KEPT, f"{dtype} tensors are not memcpy-able"
+    if shape is None:
+        return DYNAMIC, "rank unknown at trace time"
+    if None in shape:
+        dims = ", ".join("None" if d is None else str(d) for d in shape)
+        return DYNAMIC, f"shape [{dims}] not fully known at trace time"
+    return STATIC, ""

@@ -1,0 +1,177 @@
+"""``@tf_rdma.rewrite``: run a multi-task tf.function with tf_rdma transfers.
+
+The decorator wraps a ``tf.function`` in another ``tf.function`` with the same
+Python signature. When TensorFlow traces the wrapper (once per input
+signature, by tf.function's own rules), the wrapper
+
+1. traces the user's function for the same arguments and exports its graph
+   with the shapes TensorFlow inferred;
+2. runs the graph passes (tf_rdma.graph_passes.rewrite): every node gets a
+   task, every cross-task edge is classified, the rewritable ones get slots
+   in a :class:`~tf_rdma.Plan` and are swapped for TfRdmaSend/TfRdmaRecv;
+3. imports the rewritten graph into its own trace, feeding the user
+   function's argument placeholders with its own arguments and the captured
+   placeholders with the captured values (variable handles, constants), and
+   returns the imported outputs in the user function's output structure.
+
+Calls then run the rewritten graph through TensorFlow's distributed runtime
+as usual: gRPC dispatches the function to each task, tf_rdma moves the
+tensors. The regions are set up by the ops themselves on the first call (each
+task's endpoint opens its part of the plan; a peer with another plan hash is
+refused with both hashes in the error).
+"""
+
+import functools
+import inspect
+
+import tensorflow as tf
+
+from tf_rdma.errors import PlanError
+from tf_rdma.graph_passes import rewrite as passes
+from tf_rdma.ops import timeout_to_ms
+
+__all__ = ["rewrite", "RewrittenFunction"]
+
+
+def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
+            name=None):
+    """Makes every rewritable cross-task tensor of ``fn`` move through tf_rdma.
+
+    Use as ``@tf_rdma.rewrite`` or ``@tf_rdma.rewrite(depth=3)`` above (or
+    around) a ``tf.function``; a plain Python function is wrapped in
+    ``tf.function`` first.
+
+    Args:
+      fn: The function to rewrite.
+      depth: Copies per slot (steps that may be in flight), 1 to 64.
+      timeout: Seconds any tf_rdma op may wait before failing with
+        ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT`` on
+        each task.
+      endpoint_tasks: Task names that run a tf_rdma endpoint (e.g.
+        ``["worker:0", "ps:0"]``); edges to other tasks stay on gRPC. None
+        means every task except the one the function is called from.
+      name: Base of the plan name (default: the function's name).
+
+    Returns:
+      A :class:`RewrittenFunction`.
+    """
+    if fn is None:
+        return functools.partial(rewrite, depth=depth, timeout=timeout,
+                                 endpoint_tasks=endpoint_tasks, name=name)
+    return RewrittenFunction(fn, depth=depth, timeout=timeout,
+                             endpoint_tasks=endpoint_tasks, name=name)
+
+
+class RewrittenFunction:
+    """A ``tf.function`` whose cross-task tensors go through tf_rdma.
+
+    Call it like the original function. Attributes:
+
+      plan: the :class:`~tf_rdma.Plan` of the latest trace.
+      analyses: every trace's :class:`~tf_rdma.graph_passes.rewrite.Analysis`.
+    """
+
+    def __init__(self, fn, depth=2, timeout=None, endpoint_tasks=None,
+                 name=None):
+        if not callable(fn):
+            raise PlanError(f"tf_rdma.rewrite needs a function, got {fn!r}")
+        if not hasattr(fn, "get_concrete_function"):
+            fn = tf.function(fn)
+        self._fn = fn
+        self._depth = depth
+        self._timeout_ms = timeout_to_ms(timeout)
+        self._endpoint_tasks = endpoint_tasks
+        python_fn = getattr(fn, "python_function", fn)
+        self._name = name or getattr(python_fn, "__name__", "function")
+        self.analyses = []
+
+        def traced(*args, **kwargs):
+            return self._trace(args, kwargs)
+
+        functools.update_wrapper(traced, python_fn)
+        traced.__signature__ = inspect.signature(python_fn)
+        self._wrapper = tf.function(
+            traced, input_signature=getattr(fn, "input_signature", None),
+            autograph=False)
+        functools.update_wrapper(self, python_fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._wrapper(*args, **kwargs)
+
+    def get_concrete_function(self, *args, **kwargs):
+        """The rewritten concrete function for these arguments (traces it)."""
+        return self._wrapper.get_concrete_function(*args, **kwargs)
+
+    @property
+    def python_function(self):
+        return self._fn.python_function
+
+    @property
+    def plan(self):
+        """The Plan of the latest trace.
+
+        Raises:
+          PlanError: If the function was never called or traced.
+        """
+        if not self.analyses:
+            raise PlanError(
+                f"{self._name!r} has no plan yet: call it (or its "
+                f"get_concrete_function) first; plans are made per trace")
+        return self.analyses[-1].plan
+
+    @property
+    def plans(self):
+        return [a.plan for a in self.analyses]
+
+    def explain(self, file=None):
+        """Prints (and returns) the plan and the kept edges of every trace."""
+        if not self.analyses:
+            text = f"{self._name}: not traced yet"
+        else:
+            text = "\n\n".join(a.summary() for a in self.analyses)
+        print(text, file=file)
+        return text
+
+    def _trace(self, args, kwargs):
+        concrete = self._fn.get_concrete_function(*args, **kwargs)
+        inner = concrete.graph
+        outer = tf.compat.v1.get_default_graph()
+        captured = list(concrete.captured_inputs)
+        internal = list(inner.internal_captures)
+        user_inputs = inner.inputs[:len(inner.inputs) - len(internal)]
+        outer_inputs = list(outer.inputs)
+        if len(outer_inputs) != len(user_inputs):
+            raise PlanError(
+                f"tf_rdma.rewrite: {self._name!r} takes {len(user_inputs)} "
+                f"tensor inputs but its wrapper got {len(outer_inputs)}; "
+                f"arguments that are not tensors must be hashable Python "
+                f"values")
+        with tf.init_scope():
+            caller_device = tf.zeros([]).device
+        arg_devices = {}
+        for placeholder, value in zip(internal, captured):
+            device = getattr(value, "device", "")
+            if device:
+                arg_devices[placeholder.op.name] = device
+        graph_def = inner.as_graph_def(add_shapes=True)
+        analysis = passes.analyze(
+            graph_def, caller_device=caller_device, arg_devices=arg_devices,
+            endpoint_tasks=self._endpoint_tasks, depth=self._depth,
+            name=self._name)
+        rewritten = passes.rewrite_graph(analysis, self._timeout_ms)
+        self.analyses.append(analysis)
+
+        input_map = {p.name: t for p, t in zip(user_inputs, outer_inputs)}
+        input_map.update(
+            {p.name: outer.capture(v) for p, v in zip(internal, captured)})
+        outputs = tf.graph_util.import_graph_def(
+            rewritten, input_map=input_map,
+            return_elements=[t.name for t in inner.outputs],
+            name="rewritten")
+        flat = tf.nest.flatten(concrete.structured_outputs,
+                               expand_composites=True)
+        imported = iter(outputs)
+        flat = [next(imported) if isinstance(x, tf.Tensor) else x
+                for x in flat]
+        return tf.nest.pack_sequence_as(concrete.structured_outputs, flat,
+                                        expand_composites=True)
