@@ -6,6 +6,7 @@ Pure Python; importing this package does not import TensorFlow.
 from tf_rdma.graph_passes.plan import (
     CREDIT_LINE_BYTES,
     DTYPE_SIZES,
+    DYNAMIC_META_BYTES,
     FORMAT_VERSION,
     MAX_DEPTH,
     PAGE_BYTES,
@@ -22,6 +23,7 @@ from tf_rdma.graph_passes.plan import (
 __all__ = [
     "CREDIT_LINE_BYTES",
     "DTYPE_SIZES",
+    "DYNAMIC_META_BYTES",
     "FORMAT_VERSION",
     "MAX_DEPTH",
     "PAGE_BYTES",

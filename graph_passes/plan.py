@@ -77,6 +77,11 @@ __all__ = [
 
 #: Bytes of the header in front of every slot copy (one cache line).
 SLOT_HEADER_BYTES = 64
+#: Payload of a dynamic slot: the tensor's shape, byte count and payload-area
+#: generation (kernels/engine/engine.h, DynamicMeta).
+DYNAMIC_META_BYTES = 256
+#: Highest rank the dynamic path carries.
+MAX_DYNAMIC_RANK = 29
 #: Regions and credit regions are whole multiples of this many bytes.
 PAGE_BYTES = 4096
 #: Bytes of one credit line in the sender's credit region (one per slot copy).
@@ -232,16 +237,36 @@ def normalize_dtype(x):
     return name
 
 
-def _normalize_shape(shape, key):
-    """Returns ``shape`` as a tuple of python ints, or raises PlanError."""
+def _normalize_shape(shape, key, dynamic=False):
+    """Returns ``shape`` as a tuple of python ints, or raises PlanError.
+
+    A dynamic transfer's shape may be None (unknown rank) and its dims None
+    or -1 (unknown); they are normalised to None.
+    """
+    if dynamic:
+        if shape is None or getattr(shape, "rank", 0) is None:
+            return None
+        try:
+            dims = [None if d is None or (isinstance(d, int) and d == -1)
+                    else d for d in list(shape)]
+        except (TypeError, ValueError) as e:
+            raise PlanError(
+                f"transfer {key!r}: shape must be a sequence of ints or None, "
+                f"got {shape!r}") from e
+        if len(dims) > MAX_DYNAMIC_RANK:
+            raise PlanError(
+                f"transfer {key!r}: rank {len(dims)} exceeds "
+                f"{MAX_DYNAMIC_RANK}, the most the dynamic path carries")
+        known = _normalize_shape([d for d in dims if d is not None], key)
+        it = iter(known)
+        return tuple(None if d is None else next(it) for d in dims)
     if isinstance(shape, (str, bytes)) or shape is None:
         raise PlanError(
             f"transfer {key!r}: shape must be a sequence of ints, got {shape!r}")
     if getattr(shape, "rank", 0) is None:  # tf.TensorShape(None)
         raise PlanError(
-            f"transfer {key!r}: shape {shape!r} has unknown rank; static plans "
-            f"need fully known shapes (unknown shapes will take the dynamic "
-            f"path, not supported yet)")
+            f"transfer {key!r}: shape {shape!r} has unknown rank; a static "
+            f"transfer needs a fully known shape (use dynamic=True)")
     try:
         dims = list(shape)
     except (TypeError, ValueError) as e:
@@ -258,8 +283,8 @@ def _normalize_shape(shape, key):
         if d is None or (isinstance(d, int) and d < 0):
             raise PlanError(
                 f"transfer {key!r}: dimension {i} of shape {shape!r} is "
-                f"unknown ({d!r}); static plans need fully known shapes "
-                f"(unknown dims will take the dynamic path, not supported yet)")
+                f"unknown ({d!r}); a static transfer needs a fully known shape "
+                f"(use dynamic=True)")
         if not isinstance(d, int) or isinstance(d, bool):
             raise PlanError(
                 f"transfer {key!r}: dimension {i} of shape {shape!r} must be "
@@ -281,7 +306,11 @@ class Transfer:
       src: The sending task.
       dst: The receiving task (different from ``src``).
       dtype: The dtype name, a key of :data:`DTYPE_SIZES`.
-      shape: The static shape; every dim an int ``>= 0``.
+      shape: The static shape; every dim an int ``>= 0``. For a dynamic
+        transfer, dims may be None (known at run time only), or the shape
+        None (unknown rank).
+      dynamic: True for the dynamic path: the slot holds the shape and the
+        bytes go to a payload area that grows on demand.
     """
 
     key: str
@@ -289,6 +318,7 @@ class Transfer:
     dst: str
     dtype: str
     shape: tuple
+    dynamic: bool = False
 
     def __post_init__(self):
         key = self.key
@@ -307,7 +337,11 @@ class Transfer:
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", dst)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        object.__setattr__(self, "shape", _normalize_shape(self.shape, key))
+        if not isinstance(self.dynamic, bool):
+            raise PlanError(
+                f"transfer {key!r}: dynamic must be a bool, got {self.dynamic!r}")
+        object.__setattr__(self, "shape",
+                           _normalize_shape(self.shape, key, self.dynamic))
 
     @property
     def itemsize(self):
@@ -316,13 +350,28 @@ class Transfer:
 
     @property
     def nbytes(self):
-        """Bytes of the tensor: itemsize times the number of elements."""
+        """Bytes of the tensor (itemsize times elements); None if dynamic."""
+        if self.dynamic:
+            return None
         return self.itemsize * math.prod(self.shape)
 
+    @property
+    def slot_bytes(self):
+        """Payload bytes of the slot: the tensor, or a dynamic slot's meta."""
+        return DYNAMIC_META_BYTES if self.dynamic else self.nbytes
+
     def to_dict(self):
-        """Returns the transfer as a JSON-ready dict (shape as a list)."""
-        return {"key": self.key, "src": self.src, "dst": self.dst,
-                "dtype": self.dtype, "shape": list(self.shape)}
+        """Returns the transfer as a JSON-ready dict (shape as a list).
+
+        ``"dynamic"`` appears only for dynamic transfers, so static plans keep
+        the same JSON (and hash) as before the dynamic path existed.
+        """
+        d = {"key": self.key, "src": self.src, "dst": self.dst,
+             "dtype": self.dtype,
+             "shape": None if self.shape is None else list(self.shape)}
+        if self.dynamic:
+            d["dynamic"] = True
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +379,9 @@ class SlotLayout:
     """Where one transfer lives: a slot of ``depth`` copies in a region.
 
     Attributes:
-      key, src, dst, dtype, shape, nbytes: As in :class:`Transfer`.
+      key, src, dst, dtype, shape, dynamic: As in :class:`Transfer`.
+      nbytes: Payload bytes of one copy: the tensor's bytes, or
+        :data:`DYNAMIC_META_BYTES` for a dynamic slot.
       region: Name of the data region (on ``dst``) that holds the slot.
       region_bytes: Size of that region.
       offset: Byte offset of copy 0 of the slot within the region.
@@ -353,6 +404,7 @@ class SlotLayout:
     depth: int
     credit_index: int
     credit_bytes: int
+    dynamic: bool = False
 
     def _check_copy(self, copy):
         copy = operator.index(copy)
@@ -473,7 +525,8 @@ class Plan:
             placed = []
             offset = 0
             for t in group:
-                stride = align_up(SLOT_HEADER_BYTES + t.nbytes, self._alignment)
+                stride = align_up(SLOT_HEADER_BYTES + t.slot_bytes,
+                                  self._alignment)
                 placed.append((t, offset, stride))
                 offset += self._depth * stride
             region_bytes = max(PAGE_BYTES, align_up(offset, PAGE_BYTES))
@@ -488,10 +541,10 @@ class Plan:
             for index, (t, off, stride) in enumerate(placed):
                 slots.append(SlotLayout(
                     key=t.key, src=t.src, dst=t.dst, dtype=t.dtype,
-                    shape=t.shape, nbytes=t.nbytes, region=region_name,
+                    shape=t.shape, nbytes=t.slot_bytes, region=region_name,
                     region_bytes=region_bytes, offset=off, stride=stride,
                     depth=self._depth, credit_index=index,
-                    credit_bytes=credit_bytes))
+                    credit_bytes=credit_bytes, dynamic=t.dynamic))
             regions.append(RegionLayout(
                 name=region_name, src=src, dst=dst, nbytes=region_bytes,
                 credit_bytes=credit_bytes,
@@ -540,8 +593,9 @@ class Plan:
 
     @property
     def bytes_per_step(self):
-        """Total tensor bytes moved per step (sum of ``nbytes``)."""
-        return sum(t.nbytes for t in self._transfers)
+        """Tensor bytes moved per step by the static transfers (dynamic ones
+        are known only at run time)."""
+        return sum(t.nbytes for t in self._transfers if not t.dynamic)
 
     @property
     def hash(self):
@@ -602,7 +656,8 @@ class Plan:
             stride=slot.stride,
             depth=slot.depth,
             credit_index=slot.credit_index,
-            shape=list(slot.shape),
+            shape=None if slot.shape is None else list(slot.shape),
+            dynamic=slot.dynamic,
             timeout_ms=timeout_ms,
         )
 
@@ -741,7 +796,8 @@ class Plan:
             header = ("key", "src -> dst", "dtype", "shape", "bytes", "region",
                       "offset", "stride")
             rows = [(s.key, f"{s.src} -> {s.dst}", s.dtype,
-                     "[" + ", ".join(map(str, s.shape)) + "]", str(s.nbytes),
+                     _shape_text(s.shape),
+                     "dynamic" if s.dynamic else str(s.nbytes),
                      s.region, str(s.offset), str(s.stride))
                     for s in self._slots]
             lines.extend(_table(header, rows, right=(4, 6, 7)))
@@ -777,7 +833,9 @@ def _check_fields(d, fields, what):
 def _transfer_from_dict(d):
     if not isinstance(d, dict):
         raise PlanError(f"a transfer must be a JSON object, got {d!r}")
-    _check_fields(d, ("key", "src", "dst", "dtype", "shape"), "transfer")
+    fields = ("key", "src", "dst", "dtype", "shape")
+    _check_fields(d, fields + (("dynamic",) if "dynamic" in d else ()),
+                  "transfer")
     return Transfer(**d)
 
 
@@ -792,6 +850,12 @@ def _table(header, rows, right=()):
 
     return [fmt(header), fmt(tuple("-" * w for w in widths))] + [
         fmt(r) for r in rows]
+
+
+def _shape_text(shape):
+    if shape is None:
+        return "<unknown rank>"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def _human(n):

@@ -16,8 +16,10 @@ planned edge for the tf_rdma ops:
   that TensorFlow's placer cannot put a producer somewhere the plan did not
   expect (which would add a gRPC hop in front of the send).
 
-Edges the pass keeps (see transfers.py) and dynamic edges, whose path is not
-built yet, stay exactly as they were: TensorFlow still moves them. After the
+Dynamic edges (shapes known only at run time) use the same ops with
+``dynamic=True``: the slot carries the shape, the bytes go to a payload area
+that grows on demand (kernels/engine/engine.h). Edges the pass keeps (see
+transfers.py) stay exactly as they were: TensorFlow still moves them. After the
 rewrite no planned data edge crosses tasks, so each task's partition runs on
 its own and meets the others only in the slots.
 
@@ -71,7 +73,7 @@ class Analysis:
     @property
     def planned(self):
         """Edges that the rewrite moves through tf_rdma."""
-        return self.edges_of_kind(STATIC, CONTROL)
+        return self.edges_of_kind(STATIC, DYNAMIC, CONTROL)
 
     def to_dict(self):
         """Everything found, as a JSON-ready dict (``tf-rdma inspect --format json``)."""
@@ -143,6 +145,9 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
     for e in edges:
         if e.kind == STATIC:
             transfers.append(Transfer(e.key, e.src, e.dst, e.dtype, e.shape))
+        elif e.kind == DYNAMIC:
+            transfers.append(Transfer(e.key, e.src, e.dst, e.dtype, e.shape,
+                                      dynamic=True))
         elif e.kind == CONTROL:
             transfers.append(
                 Transfer(e.key, e.src, e.dst, CONTROL_TOKEN_DTYPE, [0]))
@@ -161,8 +166,12 @@ def _attr(value):
 
 
 def _shape_attr(dims):
+    if dims is None:
+        return attr_value_pb2.AttrValue(
+            shape=tensor_shape_pb2.TensorShapeProto(unknown_rank=True))
     return attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto(
-        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in dims]))
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=-1 if d is None else d)
+             for d in dims]))
 
 
 def _op_node(graph, name, op, device, dtype_attr, dtype, attrs, inputs=()):

@@ -92,9 +92,9 @@ def send(tensor, plan, key, timeout=None, name=None):
     if tensor.dtype != tf.as_dtype(slot.dtype):
         raise PlanError(f"tensor {key!r} has dtype {tensor.dtype.name}, but the "
                         f"plan expects {slot.dtype}")
-    if not tensor.shape.is_compatible_with(slot.shape):
+    if not tensor.shape.is_compatible_with(tf.TensorShape(slot.shape)):
         raise PlanError(f"tensor {key!r} has shape {tensor.shape}, but the plan "
-                        f"expects {list(slot.shape)}")
+                        f"expects {tf.TensorShape(slot.shape)}")
     return _in_step_order(
         "send", plan, key,
         lambda: raw_ops().tf_rdma_send(tensor, name=name, **attrs))

@@ -73,6 +73,13 @@ struct SendSlot {
   std::shared_ptr<Connection> conn;
   int data_handle = -1;
   Region* credits = nullptr;
+  uint32_t credits_id = 0;  // the credit region's id here, for OPEN requests
+  // Dynamic slots: the current payload area (see kDynamicMetaBytes), under
+  // dynamic_mu.
+  std::mutex dynamic_mu;
+  uint64_t generation = 0;
+  uint64_t capacity = 0;
+  int payload_handle = -1;
 };
 
 // A peer's data region that this process writes into, and the credit region
@@ -84,6 +91,7 @@ struct SendRegion {
   std::shared_ptr<Connection> conn;
   int data_handle = -1;
   Region* credits = nullptr;
+  uint32_t credits_id = 0;
 };
 
 struct RecvSlot {
@@ -1028,6 +1036,7 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
   slot->conn = region->conn;
   slot->data_handle = region->data_handle;
   slot->credits = region->credits;
+  slot->credits_id = region->credits_id;
   slot->bound = true;
   return Status::Ok();
 }
@@ -1067,6 +1076,7 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
   region->conn = conn;
   region->data_handle = data_handle;
   region->credits = credits->memory.get();
+  region->credits_id = credits->id;
   region->open = true;
   return Status::Ok();
 }
@@ -1104,8 +1114,21 @@ bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
   return true;
 }
 
+bool Engine::TrySendDynamicNow(const SendTicket& ticket, const void* data,
+                               const DynamicMeta& meta, Status* status) {
+  SendSlot* slot = ticket.slot;
+  if (!slot->bound.load(std::memory_order_acquire)) return false;
+  const SlotSpec& spec = slot->spec;
+  if (CreditWord(slot->credits, spec, ticket.step)
+          ->load(std::memory_order_acquire) < CreditNeeded(spec, ticket.step)) {
+    return false;
+  }
+  *status = FinishSendDynamic(ticket, data, meta);
+  return true;
+}
+
 Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
-  Status s = SendStep(ticket, data);
+  Status s = SendStep(ticket, data, nullptr);
   if (!s.ok()) {
     std::lock_guard<std::mutex> lock(ticket.slot->mu);
     GiveBackStep(&ticket.slot->steps, ticket.step, s);
@@ -1113,7 +1136,73 @@ Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
   return s;
 }
 
-Status Engine::SendStep(const SendTicket& ticket, const void* data) {
+Status Engine::FinishSendDynamic(const SendTicket& ticket, const void* data,
+                                 const DynamicMeta& meta) {
+  Status s = SendStep(ticket, data, &meta);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(ticket.slot->mu);
+    GiveBackStep(&ticket.slot->steps, ticket.step, s);
+  }
+  return s;
+}
+
+// Writes a dynamic step's bytes into the current payload area, opening a
+// larger one first if they do not fit, and records its generation in meta.
+Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
+                                   DynamicMeta* meta) {
+  SendSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  if (meta->nbytes == 0) {
+    meta->generation = 0;
+    return Status::Ok();
+  }
+  uint64_t generation, capacity;
+  int handle;
+  {
+    std::lock_guard<std::mutex> lock(slot->dynamic_mu);
+    if (meta->nbytes > slot->capacity) {
+      uint64_t wanted = std::max<uint64_t>(kPageBytes, 2 * slot->capacity);
+      while (wanted < meta->nbytes) wanted *= 2;
+      uint64_t size = kDynamicHeaderBytes + wanted * spec.depth;
+      std::string name = spec.region + "#" + spec.tensor_name + "#" +
+                         std::to_string(slot->generation + 1);
+      std::map<std::string, std::string> reply;
+      Deadline deadline(ticket.timeout_ms);
+      TF_RDMA_RETURN_IF_ERROR(Request(
+          slot->conn,
+          {{"name", name},
+           {"size", std::to_string(size)},
+           {"plan_hash", spec.plan_hash},
+           {"credit_id", std::to_string(slot->credits_id)},
+           {"credit_size", std::to_string(slot->credits->size())},
+           {"credit_shm", slot->credits->shm_name()}},
+          deadline, &reply));
+      RegionDescriptor area;
+      uint64_t id = 0;
+      ParseUint(reply["id"], &id);
+      area.id = static_cast<uint32_t>(id);
+      ParseUint(reply["size"], &area.size);
+      area.shm_name = reply["shm"];
+      int new_handle = -1;
+      TF_RDMA_RETURN_IF_ERROR(
+          slot->conn->pair->AddRemoteRegion(area, &new_handle));
+      slot->generation += 1;
+      slot->capacity = wanted;
+      slot->payload_handle = new_handle;
+    }
+    generation = slot->generation;
+    capacity = slot->capacity;
+    handle = slot->payload_handle;
+  }
+  uint64_t copy = CopyOf(spec, ticket.step);
+  meta->generation = generation;
+  return slot->conn->pair->Write(
+      handle, kDynamicHeaderBytes + copy * capacity, data, meta->nbytes,
+      copy * kCreditLineBytes, ticket.step);
+}
+
+Status Engine::SendStep(const SendTicket& ticket, const void* data,
+                        const DynamicMeta* dynamic) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
   std::string what = "tf_rdma send of " + spec.Describe(ticket.step);
@@ -1136,9 +1225,20 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data) {
     }
     return s;
   }
+  DynamicMeta meta;
+  if (dynamic != nullptr) {
+    // The payload first, then the meta with the step's notice: the reader
+    // sees the notice only after the bytes it describes (same connection,
+    // writes applied in order).
+    meta = *dynamic;
+    s = WriteDynamicPayload(ticket, data, &meta);
+    data = &meta;
+  }
   uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
-  s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes, data,
-                              spec.nbytes, copy, ticket.step);
+  if (s.ok()) {
+    s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes,
+                                data, spec.nbytes, copy, ticket.step);
+  }
   if (!s.ok()) {
     Status alive = CheckPeerAlive(slot->conn, what);
     return alive.ok() ? s.Prefixed(what) : alive;
@@ -1241,6 +1341,46 @@ Status Engine::RecvStep(RecvTicket* ticket) {
     return s;
   }
   ticket->payload = memory->data() + copy + kSlotHeaderBytes;
+  return Status::Ok();
+}
+
+Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  std::memcpy(meta, ticket->payload, sizeof(DynamicMeta));
+  std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
+  if (meta->rank > static_cast<uint64_t>(kMaxDynamicRank)) {
+    return InvalidArgument(what + ": the sender wrote rank " +
+                           std::to_string(meta->rank) + ", more than " +
+                           std::to_string(kMaxDynamicRank));
+  }
+  if (meta->nbytes == 0) return Status::Ok();  // payload stays the meta
+  std::string name = spec.region + "#" + spec.tensor_name + "#" +
+                     std::to_string(meta->generation);
+  LocalRegion* area = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = data_regions_.find(name);
+    if (it != data_regions_.end()) area = it->second;
+  }
+  if (area == nullptr || area->peer != spec.peer ||
+      area->plan_hash != spec.plan_hash) {
+    return Internal(what + ": payload area '" + name +
+                    "' of the sender's generation " +
+                    std::to_string(meta->generation) +
+                    " was never opened by " + spec.peer);
+  }
+  uint64_t size = area->memory->size();
+  uint64_t capacity =
+      size > kDynamicHeaderBytes ? (size - kDynamicHeaderBytes) / spec.depth : 0;
+  if (meta->nbytes > capacity) {
+    return InvalidArgument(what + ": " + std::to_string(meta->nbytes) +
+                           " bytes do not fit the payload area '" + name +
+                           "' of " + std::to_string(capacity) +
+                           " bytes per copy");
+  }
+  ticket->payload = area->memory->data() + kDynamicHeaderBytes +
+                    CopyOf(spec, ticket->step) * capacity;
   return Status::Ok();
 }
 

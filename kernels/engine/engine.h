@@ -47,6 +47,38 @@ namespace tf_rdma {
 constexpr uint64_t kSlotHeaderBytes = 64;
 constexpr uint64_t kCreditLineBytes = 64;
 
+// The dynamic path, for tensors whose shape is only known at run time.
+//
+// A dynamic slot is an ordinary slot (same header, copies, sequence word and
+// credits) whose payload is a fixed-size DynamicMeta: the tensor's shape and
+// byte count, and the *generation* of the payload area that holds its bytes.
+// Payload areas are separate regions on the reader, one per generation,
+// named "<region>#<tensor>#<generation>", each with `depth` copies of
+// `capacity` bytes after a first page of per-copy notice words. The writer
+// opens generation 1 on the first non-empty tensor and a new generation, at
+// least twice as large, whenever a tensor does not fit; older generations
+// stay mapped, so tensors still aliasing them stay valid. A step writes the
+// payload into copy (step-1) % depth of the current generation, then the
+// DynamicMeta into the slot with the step's notice; the reader that sees the
+// notice reads the meta, bounds-checks it against the generation it names,
+// and hands the payload out without a copy. The slot's credit frees both.
+//
+// Cost: one extra small write per step (the meta), and an OPEN round trip
+// (plus a region allocation on the reader) only when the size grows past
+// the capacity; a tensor that shrinks or stays the same costs nothing more.
+constexpr uint64_t kDynamicMetaBytes = 256;
+constexpr int kMaxDynamicRank = 29;
+constexpr uint64_t kDynamicHeaderBytes = 4096;
+
+struct DynamicMeta {
+  uint64_t generation = 0;  // 0: no payload area (an empty tensor)
+  uint64_t nbytes = 0;
+  uint64_t rank = 0;
+  int64_t dims[kMaxDynamicRank] = {};
+};
+static_assert(sizeof(DynamicMeta) <= kDynamicMetaBytes,
+              "DynamicMeta must fit a dynamic slot's payload");
+
 struct EngineConfig {
   std::string task;               // this process, "/job:worker/task:0"
   std::string listen;             // "host:port" of the endpoint (port 0: any)
@@ -125,6 +157,11 @@ class Engine {
   Status ClaimSend(const SlotSpec& spec, SendTicket* ticket);
   bool TrySendNow(const SendTicket& ticket, const void* data, Status* status);
   Status FinishSend(const SendTicket& ticket, const void* data);
+  // The same for a dynamic slot: `data` holds meta.nbytes bytes.
+  bool TrySendDynamicNow(const SendTicket& ticket, const void* data,
+                         const DynamicMeta& meta, Status* status);
+  Status FinishSendDynamic(const SendTicket& ticket, const void* data,
+                           const DynamicMeta& meta);
 
   // Recv: ClaimRecv, then FinishRecv (may block, bounded); TryRecvNow
   // succeeds only if the data is already there. After a successful finish
@@ -138,6 +175,10 @@ class Engine {
   // polling); a peer that answers quickly lands within the poll.
   bool PollRecv(RecvTicket* ticket);
   Status FinishRecv(RecvTicket* ticket);
+  // For a dynamic slot, after a successful finish: reads the DynamicMeta at
+  // ticket->payload, checks it against the payload area it names, and
+  // points ticket->payload at the tensor's bytes.
+  Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
   void Release(const RecvTicket& ticket);
 
   // Runs `fn` on an engine thread that may block (in bounded waits).
@@ -182,7 +223,10 @@ class Engine {
   Status OpenSendRegion(const SlotSpec& spec,
                         const std::shared_ptr<Connection>& conn,
                         const Deadline& deadline, SendRegion* region);
-  Status SendStep(const SendTicket& ticket, const void* data);
+  Status SendStep(const SendTicket& ticket, const void* data,
+                  const DynamicMeta* meta);
+  Status WriteDynamicPayload(const SendTicket& ticket, const void* data,
+                             DynamicMeta* meta);
   Status RecvStep(RecvTicket* ticket);
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);

@@ -43,6 +43,7 @@ using tensorflow::shape_inference::InferenceContext;
       .Attr("depth: int >= 1 = 2")                                         \
       .Attr("credit_index: int >= 0")                                      \
       .Attr("shape: shape")                                                \
+      .Attr("dynamic: bool = false")                                       \
       .Attr("timeout_ms: int = -1")
 
 absl::Status ToTf(const Status& s) {
@@ -65,22 +66,26 @@ absl::Status ToTf(const Status& s) {
   return absl::UnknownError(s.message());
 }
 
-absl::Status StaticShape(InferenceContext* c,
-                         tensorflow::shape_inference::ShapeHandle* out) {
+// The planned shape: fully defined for a static slot; a dynamic slot's may
+// have unknown dimensions or an unknown rank.
+absl::Status PlannedShape(InferenceContext* c,
+                          tensorflow::shape_inference::ShapeHandle* out) {
   tensorflow::PartialTensorShape shape;
+  bool dynamic = false;
   TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
-  if (!shape.IsFullyDefined()) {
+  TF_RETURN_IF_ERROR(c->GetAttr("dynamic", &dynamic));
+  if (!dynamic && !shape.IsFullyDefined()) {
     return absl::InvalidArgumentError(
-        "tf_rdma slots need a fully defined shape, got " +
-        shape.DebugString());
+        "a static tf_rdma slot needs a fully defined shape, got " +
+        shape.DebugString() + " (set dynamic=true for the dynamic path)");
   }
   return c->MakeShapeFromPartialTensorShape(shape, out);
 }
 
 // Reads the slot attributes shared by both ops.
 absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
-                      SlotSpec* spec, TensorShape* shape) {
-  tensorflow::PartialTensorShape partial;
+                      SlotSpec* spec, tensorflow::PartialTensorShape* shape,
+                      bool* dynamic) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("tensor_name", &spec->tensor_name));
   TF_RETURN_IF_ERROR(ctx->GetAttr("peer", &spec->peer));
   TF_RETURN_IF_ERROR(ctx->GetAttr("region", &spec->region));
@@ -97,14 +102,26 @@ absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
   TF_RETURN_IF_ERROR(ctx->GetAttr("depth", &spec->depth));
   TF_RETURN_IF_ERROR(ctx->GetAttr("credit_index", &spec->credit_index));
   TF_RETURN_IF_ERROR(ctx->GetAttr("timeout_ms", &spec->timeout_ms));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("shape", &partial));
-  if (!partial.AsTensorShape(shape)) {
-    return absl::InvalidArgumentError("tensor '" + spec->tensor_name +
-                                      "' has shape " + partial.DebugString() +
-                                      "; tf_rdma slots need a fully defined "
-                                      "shape");
+  TF_RETURN_IF_ERROR(ctx->GetAttr("shape", shape));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dynamic", dynamic));
+  if (*dynamic) {
+    if (shape->dims() > kMaxDynamicRank) {
+      return absl::InvalidArgumentError(
+          "tensor '" + spec->tensor_name + "' has rank " +
+          std::to_string(shape->dims()) + "; the dynamic path takes at most " +
+          std::to_string(kMaxDynamicRank));
+    }
+    spec->nbytes = kDynamicMetaBytes;
+  } else {
+    TensorShape full;
+    if (!shape->AsTensorShape(&full)) {
+      return absl::InvalidArgumentError(
+          "tensor '" + spec->tensor_name + "' has shape " +
+          shape->DebugString() +
+          "; a static tf_rdma slot needs a fully defined shape");
+    }
+    spec->nbytes = full.num_elements() * tensorflow::DataTypeSize(dtype);
   }
-  spec->nbytes = shape->num_elements() * tensorflow::DataTypeSize(dtype);
   return ToTf(spec->Validate());
 }
 
@@ -112,13 +129,15 @@ class SendOp : public AsyncOpKernel {
  public:
   explicit SendOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
-    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_));
+    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_, &dynamic_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& input = ctx->input(0);
+    bool fits = dynamic_ ? shape_.IsCompatibleWith(input.shape())
+                         : shape_.IsIdenticalTo(input.shape());
     OP_REQUIRES_ASYNC(
-        ctx, input.shape() == shape_,
+        ctx, fits && input.dims() <= kMaxDynamicRank,
         absl::InvalidArgumentError(
             "tf_rdma send of tensor '" + spec_.tensor_name + "': shape " +
             input.shape().DebugString() + " does not match the planned " +
@@ -127,15 +146,26 @@ class SendOp : public AsyncOpKernel {
     Engine* engine = Engine::Get();
     SendTicket ticket;
     OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimSend(spec_, &ticket)), done);
+    DynamicMeta meta;
+    if (dynamic_) {
+      meta.nbytes = input.tensor_data().size();
+      meta.rank = input.dims();
+      for (int i = 0; i < input.dims(); ++i) meta.dims[i] = input.dim_size(i);
+    }
+    const void* data = input.tensor_data().data();
     Status now;
-    if (engine->TrySendNow(ticket, input.tensor_data().data(), &now)) {
+    if (dynamic_ ? engine->TrySendDynamicNow(ticket, data, meta, &now)
+                 : engine->TrySendNow(ticket, data, &now)) {
       OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
       done();
       return;
     }
     Tensor keep = input;  // holds the input buffer until the write is done
-    engine->Schedule([ctx, done, ticket, keep, engine]() {
-      ctx->SetStatus(ToTf(engine->FinishSend(ticket, keep.tensor_data().data())));
+    bool dynamic = dynamic_;
+    engine->Schedule([ctx, done, ticket, keep, meta, dynamic, engine]() {
+      const void* data = keep.tensor_data().data();
+      ctx->SetStatus(ToTf(dynamic ? engine->FinishSendDynamic(ticket, data, meta)
+                                  : engine->FinishSend(ticket, data)));
       done();
     });
   }
@@ -143,14 +173,15 @@ class SendOp : public AsyncOpKernel {
  private:
   DataType dtype_;
   SlotSpec spec_;
-  TensorShape shape_;
+  tensorflow::PartialTensorShape shape_;
+  bool dynamic_ = false;
 };
 
 class RecvOp : public AsyncOpKernel {
  public:
   explicit RecvOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
-    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_));
+    OP_REQUIRES_OK(ctx, ReadSpec(ctx, dtype_, &spec_, &shape_, &dynamic_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -174,16 +205,49 @@ class RecvOp : public AsyncOpKernel {
   }
 
  private:
-  void Emit(OpKernelContext* ctx, const RecvTicket& ticket) {
-    auto* buffer = new SlotBuffer(ticket, spec_.nbytes);
-    Tensor out(dtype_, shape_, buffer);
+  // Hands the slot (or, for a dynamic slot, the payload its meta points
+  // at) to TensorFlow as the output; on a bad meta the copy is released.
+  void Emit(OpKernelContext* ctx, RecvTicket ticket) {
+    TensorShape shape;
+    uint64_t nbytes = spec_.nbytes;
+    if (!dynamic_) {
+      shape_.AsTensorShape(&shape);
+    } else {
+      DynamicMeta meta;
+      Status s = Engine::Get()->ResolveDynamic(&ticket, &meta);
+      absl::Status shaped = ToTf(s);
+      if (shaped.ok()) {
+        shaped = TensorShape::BuildTensorShape(
+            absl::Span<const int64_t>(meta.dims, meta.rank), &shape);
+      }
+      if (shaped.ok() && (!shape_.IsCompatibleWith(shape) ||
+                          shape.num_elements() *
+                                  tensorflow::DataTypeSize(dtype_) !=
+                              static_cast<int64_t>(meta.nbytes))) {
+        shaped = absl::InvalidArgumentError(
+            "tf_rdma recv of tensor '" + spec_.tensor_name + "': the sender "
+            "wrote shape " + shape.DebugString() + " and " +
+            std::to_string(meta.nbytes) + " bytes, which does not fit the "
+            "planned " + shape_.DebugString() + " of " +
+            tensorflow::DataTypeString(dtype_));
+      }
+      if (!shaped.ok()) {
+        Engine::Get()->Release(ticket);
+        ctx->SetStatus(shaped);
+        return;
+      }
+      nbytes = meta.nbytes;
+    }
+    auto* buffer = new SlotBuffer(ticket, nbytes);
+    Tensor out(dtype_, shape, buffer);
     buffer->Unref();  // `out` holds the reference now
     ctx->set_output(0, out);
   }
 
   DataType dtype_;
   SlotSpec spec_;
-  TensorShape shape_;
+  tensorflow::PartialTensorShape shape_;
+  bool dynamic_ = false;
 };
 
 }  // namespace
@@ -195,7 +259,7 @@ REGISTER_OP("TfRdmaSend")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       tensorflow::shape_inference::ShapeHandle planned, merged;
-      TF_RETURN_IF_ERROR(StaticShape(c, &planned));
+      TF_RETURN_IF_ERROR(PlannedShape(c, &planned));
       TF_RETURN_IF_ERROR(c->Merge(c->input(0), planned, &merged));
       return absl::OkStatus();
     })
@@ -214,7 +278,7 @@ REGISTER_OP("TfRdmaRecv")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       tensorflow::shape_inference::ShapeHandle planned;
-      TF_RETURN_IF_ERROR(StaticShape(c, &planned));
+      TF_RETURN_IF_ERROR(PlannedShape(c, &planned));
       c->set_output(0, planned);
       return absl::OkStatus();
     })
