@@ -260,7 +260,11 @@ def _normalize_shape(shape, key, dynamic=False):
         known = _normalize_shape([d for d in dims if d is not None], key)
         it = iter(known)
         return tuple(None if d is None else next(it) for d in dims)
-    if isinstance(shape, (str, bytes)) or shape is None:
+    if shape is None:
+        raise PlanError(
+            f"transfer {key!r}: shape None means an unknown rank; a static "
+            f"transfer needs a fully known shape (use dynamic=True)")
+    if isinstance(shape, (str, bytes)):
         raise PlanError(
             f"transfer {key!r}: shape must be a sequence of ints, got {shape!r}")
     if getattr(shape, "rank", 0) is None:  # tf.TensorShape(None)

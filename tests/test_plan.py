@@ -10,6 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from tf_rdma.errors import PlanError
 from tf_rdma.graph_passes import plan as plan_lib
+from tf_rdma.graph_passes.plan import (DYNAMIC_META_BYTES, SLOT_HEADER_BYTES, Plan,
+                                      Transfer)
 
 W0 = "/job:worker/task:0"
 W1 = "/job:worker/task:1"
@@ -479,3 +481,45 @@ def test_random_plan_properties(spec, rnd):
     r = plan_lib.Plan.from_json(p.to_json())
     assert r == p and r.slots == p.slots and r.regions == p.regions
     assert hashlib.sha256(p.to_json().encode()).hexdigest() == p.hash
+
+
+# --- dynamic transfers -------------------------------------------------------
+
+def test_dynamic_transfer_shapes_and_slot():
+    t = Transfer("d", "worker:0", "worker:1", "float32", [-1, 3], dynamic=True)
+    assert t.shape == (None, 3) and t.nbytes is None
+    u = Transfer("u", "worker:0", "worker:1", "int64", None, dynamic=True)
+    assert u.shape is None
+    plan = Plan([t, u], name="dyn")
+    slot = plan.slot("d")
+    assert slot.dynamic and slot.nbytes == DYNAMIC_META_BYTES
+    assert slot.stride >= SLOT_HEADER_BYTES + DYNAMIC_META_BYTES
+    assert plan.bytes_per_step == 0
+    attrs = plan.op_attrs("u", "recv")
+    assert attrs["dynamic"] is True and attrs["shape"] is None
+    assert plan.op_attrs("d", "send")["shape"] == [None, 3]
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "dynamic" in plan.summary() and "[?, 3]" in plan.summary()
+
+
+def test_static_plan_json_has_no_dynamic_field():
+    # Static plans serialise (and hash) as before the dynamic path existed.
+    plan = Plan([Transfer("x", "worker:0", "worker:1", "float32", [2])])
+    assert "dynamic" not in plan.to_json()
+
+
+@pytest.mark.parametrize("shape, match", [
+    ([None], "unknown"),
+    (None, "unknown rank"),
+])
+def test_static_transfer_needs_known_shape(shape, match):
+    with pytest.raises(PlanError, match=match):
+        Transfer("x", "worker:0", "worker:1", "float32", shape)
+
+
+def test_dynamic_rank_limit():
+    with pytest.raises(PlanError, match="rank 30 exceeds 29"):
+        Transfer("x", "worker:0", "worker:1", "float32", [None] * 30,
+                 dynamic=True)
+    with pytest.raises(PlanError, match="dynamic must be a bool"):
+        Transfer("x", "worker:0", "worker:1", "float32", [1], dynamic="yes")
