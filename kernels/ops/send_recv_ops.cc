@@ -265,7 +265,9 @@ REGISTER_OP("TfRdmaSend")
     })
     .Doc(R"doc(
 Writes `tensor` into its planned slot in the peer task's region (one-sided
-write, then the step's sequence number as the notice). Waits, without holding
+write, then the step's sequence number as the notice). With `dynamic`, the
+shape may have unknown dims: the bytes go to a payload area that grows on
+demand and the slot carries the shape. Waits, without holding
 an inter-op thread, for the slot copy to be free (a credit from the receiver)
 when `depth` steps are in flight. Fails with DeadlineExceeded after
 `timeout_ms` (or TF_RDMA_TIMEOUT), with Unavailable if the peer went away.
@@ -284,8 +286,9 @@ REGISTER_OP("TfRdmaRecv")
     })
     .Doc(R"doc(
 Returns the tensor the peer task wrote into this slot for the current step,
-without copying it: the output aliases the slot, which goes back to the sender
-as a credit when the last reference to the output is dropped.
+without copying it: the output aliases the slot (or, with `dynamic`, the
+payload area the slot points at), which goes back to the sender as a credit
+when the last reference to the output is dropped.
 )doc");
 
 REGISTER_KERNEL_BUILDER(Name("TfRdmaSend").Device(tensorflow::DEVICE_CPU),
