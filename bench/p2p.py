@@ -40,7 +40,8 @@ scalar returns to the client, and the gRPC and tf_rdma scalars are compared
 bit for bit on every size.
 
 Sizes up to 16 MiB use H = 8 and plan depth 2; 64 MiB uses H = 4, depth 2;
-larger sizes H = 2 and depth 1, so that the preallocated regions stay small
+larger sizes H = 2 and depth 1 (``--hops`` sets H for every size), so that
+the preallocated regions stay small
 (every plan keeps its regions in the servers until they exit: well under
 2 GiB for the default sizes).
 """
@@ -230,6 +231,8 @@ def client_main(args):
     chain_check = []
     for size in args.sizes:
         hops, depth = hops_for(size)
+        if args.hops:
+            hops = args.hops
         config[str(size)] = {"hops": hops, "depth": depth}
         n = size // 4
         with tf.device(TASKS[0]):
@@ -405,6 +408,8 @@ def run_cluster(transport, args):
     client = [sys.executable, os.path.abspath(__file__), "--client",
               "--transport", transport, "--runs", str(args.runs),
               "--sizes"] + [str(s) for s in args.sizes]
+    if args.hops:
+        client += ["--hops", str(args.hops)]
     if transport != "shm" or args.no_grpc:
         client.append("--no-grpc")
     cmd = [sys.executable, "-m", "tf_rdma.cli", "launch", "-n", "2", "--"]
@@ -647,6 +652,9 @@ def build_parser():
                              f"--quick: {QUICK_RUNS})")
     parser.add_argument("--quick", action="store_true",
                         help="fewer sizes and runs (under 3 minutes)")
+    parser.add_argument("--hops", type=int, metavar="H",
+                        help="hops of the p2p chain for every size (default: "
+                             "by size, see the module docstring)")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
                         default=list(TRANSPORTS),
                         help="tf_rdma transports to measure (default: both)")
@@ -677,6 +685,8 @@ def main(argv=None):
         args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.hops is not None and args.hops < 1:
+        parser.error("--hops must be at least 1")
     if args.timeout is None:
         args.timeout = 150.0 if args.quick else 420.0
     if args.client:

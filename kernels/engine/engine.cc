@@ -1,5 +1,6 @@
 #include "kernels/engine/engine.h"
 
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
@@ -98,6 +99,8 @@ struct RecvSlot {
   SlotSpec spec;
   std::mutex mu;
   StepCounter steps;
+  // Inline polls in a row that missed their data (PollRecv).
+  std::atomic<int> poll_misses{0};
   LocalRegion* region = nullptr;  // set at the first claim
 };
 
@@ -399,6 +402,8 @@ void Engine::Stop() {
     kv.second->cv.notify_all();
     shutdown(kv.first, SHUT_RDWR);
   }
+  poller_recheck_.store(true);
+  RingPoller();
   // Mappings stay valid (tensors may still alias them); the names go.
   for (auto& region : regions_) region->memory->Unlink();
   close(listen_fd_);
@@ -792,6 +797,9 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   }
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd, nullptr);
   shutdown(conn->fd, SHUT_RDWR);
+  // Waits on this peer fail now, not at their next periodic check.
+  poller_recheck_.store(true);
+  RingPoller();
   // The fd stays open (and in by_fd_) until process exit so that its number
   // is not reused under a thread still holding the connection.
 }
@@ -1293,6 +1301,23 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
 
 bool Engine::PollRecv(RecvTicket* ticket) {
   if (TryRecvNow(ticket)) return true;
+  // A slot whose data never lands within the poll (a recv that starts long
+  // before its sender, as in a chain of hops started by one call) would
+  // only hold TensorFlow's thread: after two misses in a row, poll only
+  // every 8th step, to notice when the pattern changes.
+  std::atomic<int>& misses = ticket->slot->poll_misses;
+  if (misses.load(std::memory_order_relaxed) >= 2 && ticket->step % 8 != 0) {
+    return false;
+  }
+  if (PollRecvFor(ticket)) {
+    misses.store(0, std::memory_order_relaxed);
+    return true;
+  }
+  misses.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+bool Engine::PollRecvFor(RecvTicket* ticket) {
   Clock::time_point until =
       Clock::now() + std::chrono::microseconds(config_.poll_us);
   while (Clock::now() < until) {
@@ -1305,38 +1330,47 @@ bool Engine::PollRecv(RecvTicket* ticket) {
 }
 
 Status Engine::FinishRecv(RecvTicket* ticket) {
-  Status s = RecvStep(ticket);
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(ticket->slot->mu);
-    GiveBackStep(&ticket->slot->steps, ticket->step, s);
-  }
+  Status s = RecvStep(ticket, Deadline(ticket->timeout_ms));
+  if (!s.ok()) GiveBackRecv(ticket, s);
   return s;
 }
 
-Status Engine::RecvStep(RecvTicket* ticket) {
+void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
+  std::lock_guard<std::mutex> lock(ticket->slot->mu);
+  GiveBackStep(&ticket->slot->steps, ticket->step, why);
+}
+
+Status Engine::RecvCheck(RecvSlot* slot, const std::string& what) {
+  std::shared_ptr<Connection> writer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!slot->region->refusal.empty()) {
+      return FailedPrecondition(what + ": " + slot->region->refusal);
+    }
+    writer = slot->region->writer;
+  }
+  return CheckPeerAlive(writer, what);
+}
+
+Status Engine::RecvTimedOut(RecvSlot* slot, const std::string& what,
+                            const Status& timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return DeadlineExceeded(
+      what + ": " + timeout.message() + " waiting for the data" +
+      (slot->region->writer ? "" : " (the peer never connected)"));
+}
+
+Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
   uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
   Region* memory = slot->region->memory.get();
-  Deadline deadline(ticket->timeout_ms);
-  Status s = WaitForWord(memory->Word(copy), ticket->step, deadline, [&] {
-    std::shared_ptr<Connection> writer;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!slot->region->refusal.empty()) {
-        return FailedPrecondition(what + ": " + slot->region->refusal);
-      }
-      writer = slot->region->writer;
-    }
-    return CheckPeerAlive(writer, what);
-  });
+  Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
+                         [&] { return RecvCheck(slot, what); });
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
-      std::lock_guard<std::mutex> lock(mu_);
-      return DeadlineExceeded(
-          what + ": " + s.message() + " waiting for the data" +
-          (slot->region->writer ? "" : " (the peer never connected)"));
+      return RecvTimedOut(slot, what, s);
     }
     return s;
   }
@@ -1402,6 +1436,256 @@ void Engine::Release(const RecvTicket& ticket) {
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
     Log("could not return the credit of " + spec.Describe(ticket.step) + ": " +
         s.message());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Waiting for a recv's data without a thread per wait: the poller, and sends
+// that help it.
+//
+// A recv whose data is not there after its inline poll (PollRecv) needs
+// something to wait for it. That used to be one engine thread per wait,
+// asleep on the futex of its sequence word, which then called the op's
+// `done`; TensorFlow's executor queues the op's successors on its inter-op
+// pool, which woke one of its threads for them. In a client-driven chain of
+// 4 KiB hops between two tasks (bench/p2p.py, 2-vCPU VM) a hop took about
+// 140 us on average, of which about 60 us was the futex wake-up of the
+// engine thread (a sleeping vCPU has to be woken by the hypervisor) and
+// about 50 us the wake-up of TensorFlow's thread for the next op; the memcpy
+// itself is a microsecond. In such a chain every recv starts with the call
+// and waits for many hops, so the inline poll cannot catch the data.
+//
+// Two changes remove both wake-ups from a hop:
+//
+// - *Sends help.* A send op that has written its data, on TensorFlow's
+//   thread, polls the process's waiting recvs for up to kHelpPollFactor x
+//   poll_us (200 us by default) and completes the first whose data lands,
+//   right there (HelpRecvs). An answer often follows a send (a chain, a
+//   ping-pong, a request and its reply); completing it on an inter-op
+//   thread lets the executor queue the successors on that thread's own
+//   queue, which it runs next: nothing is woken, and a hop of the chain
+//   costs about what the ping-pong's does. Only the thread that just sent
+//   spins, so on two vCPUs at most one thread per task burns a core (an
+//   earlier variant with a spinning thread per process was slower: the
+//   spinners took the cores the executor needed).
+// - *One poller per process* owns every other wait: instead of a thread per
+//   wait, one thread sleeps in a single futex_waitv (Linux >= 5.16) on the
+//   sequence words of up to 127 waits plus its doorbell (new waits, lost
+//   connections), completes whatever landed, and sleeps again. It never
+//   spins: an idle wait costs no CPU. It wakes at least every kCheckEveryMs
+//   to check peers and deadlines as WaitForWord does, so every wait stays
+//   bounded by its timeout and a dead peer or a refused plan fails it with
+//   the same messages. Waits beyond 127, or all of them on a kernel without
+//   futex_waitv, are handed to engine threads (RecvStep) as before.
+//
+// A wait is completed exactly once: whoever sets `taken` first (a helping
+// send, the poller, an engine thread) runs `done`; the others drop it.
+// Cost: a send with recvs waiting in its process holds its inter-op thread
+// for up to 200 us when no answer comes (never when poll_us is 0), and
+// `done` runs on whichever thread completes the wait, so it must be short
+// (TensorFlow's only queues the successors). Sends that wait for a credit
+// still use engine threads: in practice their credit is already there.
+
+namespace {
+
+constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
+
+}  // namespace
+
+struct Engine::PendingRecv {
+  RecvTicket ticket;
+  RecvDone done;
+  Deadline deadline{0};
+  const std::atomic<uint64_t>* word;  // the copy's sequence word
+  Clock::time_point next_check;       // poller thread only
+  bool handed_off = false;            // poller thread only
+  std::atomic<bool> taken{false};     // whoever sets it completes the wait
+
+  bool Landed() const {
+    return word->load(std::memory_order_acquire) >= ticket.step;
+  }
+};
+
+void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
+  const SlotSpec& spec = ticket.slot->spec;
+  uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
+  auto p = std::make_shared<PendingRecv>();
+  p->ticket = ticket;
+  p->done = std::move(done);
+  p->deadline = Deadline(ticket.timeout_ms);
+  p->word = ticket.slot->region->memory->Word(copy);
+  p->next_check = Clock::now() + std::chrono::milliseconds(kCheckEveryMs);
+  std::call_once(poller_once_, [this] {
+    std::thread([this] { PollerLoop(); }).detach();
+  });
+  {
+    std::lock_guard<std::mutex> lock(poller_mu_);
+    waiting_.push_back(p);
+    waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
+  }
+  RingPoller();
+}
+
+void Engine::RingPoller() {
+  // Pairs with the poller's store of poller_asleep_ then load of the bell:
+  // either it sees the new bell value, or we see it asleep and wake it.
+  poller_bell_.fetch_add(1, std::memory_order_seq_cst);
+  if (poller_asleep_.load(std::memory_order_seq_cst)) {
+    WakeLocalWord(&poller_bell_);
+  }
+}
+
+bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
+                         const Status& s) {
+  if (p->taken.exchange(true, std::memory_order_acq_rel)) return false;
+  {
+    std::lock_guard<std::mutex> lock(poller_mu_);
+    auto it = std::find(waiting_.begin(), waiting_.end(), p);
+    if (it != waiting_.end()) waiting_.erase(it);
+    waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
+  }
+  RecvTicket ticket = p->ticket;
+  if (s.ok()) {
+    const SlotSpec& spec = ticket.slot->spec;
+    uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
+    ticket.payload =
+        ticket.slot->region->memory->data() + copy + kSlotHeaderBytes;
+  } else {
+    GiveBackRecv(&ticket, s);
+  }
+  p->done(s, ticket);
+  return true;
+}
+
+bool Engine::HelpRecvs() {
+  if (waiting_count_.load(std::memory_order_relaxed) == 0) return false;
+  int64_t budget_us = config_.poll_us * kHelpPollFactor;
+  if (budget_us <= 0) return false;
+  // When helping keeps missing (answers come later than the budget, or the
+  // cores are busy with other work, where spinning only delays the peer),
+  // help only every 8th time, to notice when that changes.
+  int misses = help_misses_.load(std::memory_order_relaxed);
+  if (misses >= 2 && help_calls_.fetch_add(1, std::memory_order_relaxed) % 8) {
+    return false;
+  }
+  bool helped = HelpRecvsFor(budget_us);
+  if (helped) {
+    help_misses_.store(0, std::memory_order_relaxed);
+  } else {
+    help_misses_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return helped;
+}
+
+bool Engine::HelpRecvsFor(int64_t budget_us) {
+  Clock::time_point until = Clock::now() + std::chrono::microseconds(budget_us);
+  std::vector<std::shared_ptr<PendingRecv>> mine;
+  uint32_t seen = ~0u;
+  for (int round = 0;; ++round) {
+    uint32_t bell = poller_bell_.load(std::memory_order_acquire);
+    if (bell != seen) {  // new waits (or a lost peer): look again
+      seen = bell;
+      std::lock_guard<std::mutex> lock(poller_mu_);
+      mine = waiting_;
+      if (mine.empty()) return false;
+    }
+    for (const auto& p : mine) {
+      if (!p->taken.load(std::memory_order_relaxed) && p->Landed() &&
+          TakePending(p, Status::Ok())) {
+        return true;
+      }
+    }
+    for (int i = 0; i < 16; ++i) CpuRelax();
+    if ((round & 15) == 15) {
+      if (Clock::now() >= until) return false;
+      // Every ~15 us: let a thread that is ready on this core run (on a
+      // busy machine it may be the one that has to answer).
+      if ((round & 31) == 31) sched_yield();
+    }
+  }
+}
+
+void Engine::PollerLoop() {
+  std::vector<std::shared_ptr<PendingRecv>> pending;
+  std::vector<WordWatch> watch;
+  uint32_t bell_seen = 0;
+  while (true) {
+    bell_seen = poller_bell_.load(std::memory_order_acquire);
+    {
+      std::lock_guard<std::mutex> lock(poller_mu_);
+      pending = waiting_;
+    }
+    Clock::time_point now = Clock::now();
+    if (poller_recheck_.exchange(false)) {
+      for (auto& p : pending) p->next_check = now;
+    }
+    size_t kept = 0;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      std::shared_ptr<PendingRecv>& p = pending[i];
+      if (p->taken.load(std::memory_order_relaxed)) continue;
+      if (p->Landed()) {
+        TakePending(p, Status::Ok());
+        continue;
+      }
+      bool expired = now >= p->deadline.at();
+      if (now >= p->next_check || expired) {
+        RecvSlot* slot = p->ticket.slot;
+        std::string what =
+            "tf_rdma recv of " + slot->spec.Describe(p->ticket.step);
+        Status s = RecvCheck(slot, what);
+        if (s.ok() && expired) {
+          s = p->Landed() ? Status::Ok()
+                          : RecvTimedOut(slot, what,
+                                         DeadlineExceeded(
+                                             "timed out after " +
+                                             std::to_string(
+                                                 p->deadline.timeout_ms()) +
+                                             " ms"));
+          TakePending(p, s);
+          continue;
+        }
+        if (!s.ok()) {
+          TakePending(p, s);
+          continue;
+        }
+        p->next_check = now + std::chrono::milliseconds(kCheckEveryMs);
+      }
+      if (!p->handed_off) pending[kept++] = p;
+    }
+    pending.resize(kept);
+
+    // Sleep until a watched word moves, news, or the next check is due.
+    // Waits beyond what one futex_waitv takes go to engine threads.
+    Clock::time_point until = now + std::chrono::seconds(10);
+    watch.clear();
+    watch.push_back(WordWatch{&poller_bell_, bell_seen, false});
+    bool landed = false;
+    for (auto& p : pending) {
+      if (watch.size() >= static_cast<size_t>(kMaxWatchedWords) ||
+          !have_waitv_) {
+        p->handed_off = true;
+        Schedule([this, p] {
+          RecvTicket ticket = p->ticket;
+          Status s = RecvStep(&ticket, p->deadline);
+          TakePending(p, s.ok() || !p->Landed() ? s : Status::Ok());
+        });
+        continue;
+      }
+      uint64_t v = p->word->load(std::memory_order_acquire);
+      if (v >= p->ticket.step) landed = true;
+      watch.push_back(WordWatch{p->word, static_cast<uint32_t>(v), true});
+      until = std::min(until, std::min(p->next_check, p->deadline.at()));
+    }
+    if (landed) continue;
+    pending.clear();  // drop references while asleep
+    poller_asleep_.store(true, std::memory_order_seq_cst);
+    if (poller_bell_.load(std::memory_order_seq_cst) == bell_seen) {
+      if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()),
+                          until)) {
+        have_waitv_ = false;  // old kernel: engine threads from now on
+      }
+    }
+    poller_asleep_.store(false, std::memory_order_relaxed);
   }
 }
 

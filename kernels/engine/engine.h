@@ -46,6 +46,8 @@ namespace tf_rdma {
 
 constexpr uint64_t kSlotHeaderBytes = 64;
 constexpr uint64_t kCreditLineBytes = 64;
+// A send polls the process's waiting recvs for this many times poll_us.
+constexpr int64_t kHelpPollFactor = 4;
 
 // The dynamic path, for tensors whose shape is only known at run time.
 //
@@ -179,6 +181,17 @@ class Engine {
   // ticket->payload, checks it against the payload area it names, and
   // points ticket->payload at the tensor's bytes.
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
+  // FinishRecv without holding a thread: the wait joins the poller (see
+  // engine.cc, "The poller") and `done` is called exactly once with the
+  // outcome, on the poller thread (or an engine thread, see there). As with
+  // FinishRecv, a failed step has been given back when `done` runs.
+  using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
+  void WaitRecvAsync(const RecvTicket& ticket, RecvDone done);
+  // Called by a send op on TensorFlow's thread once its data is written:
+  // if recvs of this process are waiting, polls them for up to
+  // kHelpPollFactor * poll_us and completes the first one whose data lands,
+  // on this thread. Returns true if it completed one. See engine.cc.
+  bool HelpRecvs();
   void Release(const RecvTicket& ticket);
 
   // Runs `fn` on an engine thread that may block (in bounded waits).
@@ -227,7 +240,24 @@ class Engine {
                   const DynamicMeta* meta);
   Status WriteDynamicPayload(const SendTicket& ticket, const void* data,
                              DynamicMeta* meta);
-  Status RecvStep(RecvTicket* ticket);
+  bool PollRecvFor(RecvTicket* ticket);  // PollRecv's loop
+  Status RecvStep(RecvTicket* ticket, const Deadline& deadline);
+  // Why a recv that is still waiting must fail now (plan refusal, peer
+  // gone), or ok; `what` prefixes the message.
+  Status RecvCheck(RecvSlot* slot, const std::string& what);
+  Status RecvTimedOut(RecvSlot* slot, const std::string& what,
+                      const Status& timeout);
+  void GiveBackRecv(RecvTicket* ticket, const Status& why);
+
+  // The poller (engine.cc).
+  struct PendingRecv;
+  void PollerLoop();
+  void RingPoller();
+  // Completes `p` with `s` unless another thread already did; true if this
+  // call did.
+  bool TakePending(const std::shared_ptr<PendingRecv>& p, const Status& s);
+  bool HelpRecvsFor(int64_t budget_us);  // HelpRecvs' loop
+
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);
   int64_t TimeoutFor(const SlotSpec& spec) const;
@@ -261,6 +291,18 @@ class Engine {
   std::condition_variable pool_cv_;
   std::deque<std::function<void()>> pool_queue_;
   int pool_idle_ = 0;
+
+  // The poller: one thread, started with the first wait it gets.
+  std::once_flag poller_once_;
+  std::mutex poller_mu_;
+  std::vector<std::shared_ptr<PendingRecv>> waiting_;  // not yet completed
+  std::atomic<size_t> waiting_count_{0};
+  std::atomic<uint32_t> poller_bell_{0};  // bumped on news; a futex word
+  std::atomic<bool> poller_asleep_{false};
+  std::atomic<bool> poller_recheck_{false};  // a connection went away
+  bool have_waitv_ = true;                   // poller thread only
+  std::atomic<int> help_misses_{0};   // HelpRecvs in a row that found nothing
+  std::atomic<uint32_t> help_calls_{0};
 };
 
 }  // namespace tf_rdma

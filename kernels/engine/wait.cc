@@ -61,6 +61,53 @@ Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
   }
 }
 
+bool WaitForAnyWord(const WordWatch* words, int n, Clock::time_point until) {
+  if (n == 1) {  // a plain futex wait does, on every kernel
+    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    until - Clock::now())
+                    .count();
+    if (left <= 0) return true;
+    struct timespec ts;
+    ts.tv_sec = left / 1000000000;
+    ts.tv_nsec = left % 1000000000;
+    syscall(SYS_futex, const_cast<void*>(words[0].word),
+            words[0].shared ? FUTEX_WAIT : FUTEX_WAIT_PRIVATE, words[0].seen,
+            &ts, nullptr, 0);
+    return true;
+  }
+#ifdef __NR_futex_waitv
+  struct futex_waitv waiters[kMaxWatchedWords];
+  if (n > kMaxWatchedWords) n = kMaxWatchedWords;
+  for (int i = 0; i < n; ++i) {
+    waiters[i].val = words[i].seen;
+    waiters[i].uaddr = reinterpret_cast<uintptr_t>(words[i].word);
+    waiters[i].flags = FUTEX_32 | (words[i].shared ? 0 : FUTEX_PRIVATE_FLAG);
+    waiters[i].__reserved = 0;
+  }
+  // futex_waitv takes an absolute CLOCK_MONOTONIC time, which is what
+  // steady_clock reads on Linux.
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                until.time_since_epoch())
+                .count();
+  if (ns < 0) ns = 0;
+  struct timespec ts;
+  ts.tv_sec = ns / 1000000000;
+  ts.tv_nsec = ns % 1000000000;
+  long r = syscall(__NR_futex_waitv, waiters, n, 0, &ts, CLOCK_MONOTONIC);
+  return !(r < 0 && errno == ENOSYS);
+#else
+  (void)words;
+  (void)n;
+  (void)until;
+  return false;
+#endif
+}
+
+void WakeLocalWord(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE,
+          INT_MAX, nullptr, nullptr, 0);
+}
+
 void PublishWord(std::atomic<uint64_t>* word, uint64_t value) {
   word->store(value, std::memory_order_release);
   syscall(SYS_futex, LowHalf(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);

@@ -38,6 +38,7 @@ class Deadline {
   int64_t timeout_ms() const { return timeout_ms_; }
   // Milliseconds left, never negative.
   int64_t RemainingMs() const;
+  Clock::time_point at() const { return at_; }
 
  private:
   int64_t timeout_ms_;
@@ -50,6 +51,28 @@ class Deadline {
 Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
                    const Deadline& deadline,
                    const std::function<Status()>& check);
+
+// One word of a WaitForAnyWord: sleep while its low 32 bits equal `seen`.
+// `shared`: the word may be in memory another process maps (a region);
+// false for words in this process's own memory (faster futex key).
+struct WordWatch {
+  const void* word;
+  uint32_t seen;
+  bool shared;
+};
+
+// The most words one WaitForAnyWord sleeps on (the kernel's limit).
+constexpr int kMaxWatchedWords = 128;
+
+// Sleeps until any watched word is woken (PublishWord / WakeLocalWord) or no
+// longer holds its `seen` value, or until `until`, or spuriously; the caller
+// re-checks its words. One futex_waitv system call (Linux >= 5.16). Returns
+// false, without sleeping, where the kernel does not have it.
+bool WaitForAnyWord(const WordWatch* words, int n, Clock::time_point until);
+
+// Wakes every sleeper on a word of this process's own memory (shared =
+// false in WordWatch).
+void WakeLocalWord(std::atomic<uint32_t>* word);
 
 // A hint to the CPU that this thread is busy-waiting.
 inline void CpuRelax() {

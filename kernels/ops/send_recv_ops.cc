@@ -5,9 +5,11 @@
 // self-contained: the first op to run on either side sets up the region and
 // the connection, later runs only move data. Both are asynchronous kernels:
 // the common case (credit or data already there, or data landing within a
-// short poll, TF_RDMA_POLL_US) completes inline; anything that must wait
-// longer moves to an engine thread, so TensorFlow's inter-op threads never
-// block on a peer.
+// short poll, TF_RDMA_POLL_US) completes inline; a recv that must wait
+// longer joins the engine's poller and a send that must wait moves to an
+// engine thread, so TensorFlow's inter-op threads never block on a peer. A
+// send that completed inline briefly helps the poller: the answer it
+// probably expects is completed on its thread (engine.cc, "The poller").
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -158,6 +160,9 @@ class SendOp : public AsyncOpKernel {
                  : engine->TrySendNow(ticket, data, &now)) {
       OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
       done();
+      // An answer often follows a send: wait for it on this thread, which
+      // then goes on to run what the answer unblocks (engine.cc).
+      engine->HelpRecvs();
       return;
     }
     Tensor keep = input;  // holds the input buffer until the write is done
@@ -193,15 +198,15 @@ class RecvOp : public AsyncOpKernel {
       done();
       return;
     }
-    engine->Schedule([this, ctx, done, ticket, engine]() mutable {
-      Status s = engine->FinishRecv(&ticket);
-      if (s.ok()) {
-        Emit(ctx, ticket);
-      } else {
-        ctx->SetStatus(ToTf(s));
-      }
-      done();
-    });
+    engine->WaitRecvAsync(
+        ticket, [this, ctx, done](const Status& s, const RecvTicket& t) {
+          if (s.ok()) {
+            Emit(ctx, t);
+          } else {
+            ctx->SetStatus(ToTf(s));
+          }
+          done();
+        });
   }
 
  private:
