@@ -40,9 +40,9 @@ from tf_rdma.graph_passes.graph import (
     DTYPE_ENUMS, GraphView, input_string, task_of)
 from tf_rdma.graph_passes.placement import (
     DEFAULT_CALLER_DEVICE, resolve_devices)
-from tf_rdma.graph_passes.plan import Plan, Transfer
+from tf_rdma.graph_passes.plan import Plan, Transfer, canonical_task
 from tf_rdma.graph_passes.transfers import (
-    CONTROL, DYNAMIC, KEPT, STATIC, discover_transfers)
+    CONTROL, DYNAMIC, KEPT, STATIC, discover_transfers, spanning_calls)
 
 CONTROL_TOKEN_DTYPE = "int8"
 _NODE_NAME_BAD = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -59,6 +59,10 @@ class Analysis:
         sorted by key, kept and dynamic ones included.
       placements: ``{node: Placement}``.
       caller_task: The task the function is called from.
+      notes: Things the pass could not plan that are not edges of the top
+        level: function calls and loops whose bodies run ops on other tasks
+        (their traffic stays on TensorFlow's path, even when no edge of the
+        call itself crosses tasks).
     """
 
     graph_def: object
@@ -66,6 +70,7 @@ class Analysis:
     edges: tuple
     placements: dict
     caller_task: str
+    notes: tuple = ()
 
     def edges_of_kind(self, *kinds):
         return [e for e in self.edges if e.kind in kinds]
@@ -82,6 +87,7 @@ class Analysis:
             "plan_hash": self.plan.hash,
             "caller_task": self.caller_task,
             "edges": [e.to_dict() for e in self.edges],
+            "notes": list(self.notes),
             "placements": {n: dataclasses.asdict(p)
                            for n, p in sorted(self.placements.items())},
         }
@@ -97,6 +103,8 @@ class Analysis:
             f"{counts[KEPT]} kept on TensorFlow's path)")
         for e in self.edges_of_kind(DYNAMIC, KEPT):
             lines.append(f"  {e.kind}: {e.key} ({e.src} -> {e.dst}): {e.reason}")
+        for note in self.notes:
+            lines.append(f"  note: {note}; its traffic stays on TensorFlow's path")
         return "\n".join(lines)
 
 
@@ -139,8 +147,12 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
     placements = resolve_devices(view, caller_device, arg_devices)
     caller_task = task_of(caller_device)
     if endpoint_tasks is not None:
-        endpoint_tasks = {task_of(t) or t for t in endpoint_tasks}
-    edges = discover_transfers(view, placements, endpoint_tasks, caller_task)
+        if isinstance(endpoint_tasks, str):
+            endpoint_tasks = [endpoint_tasks]
+        endpoint_tasks = {canonical_task(t) for t in endpoint_tasks}
+    spanning = spanning_calls(view, placements)
+    edges = discover_transfers(view, placements, endpoint_tasks, caller_task,
+                               spanning)
     transfers = []
     for e in edges:
         if e.kind == STATIC:
@@ -152,7 +164,9 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
             transfers.append(
                 Transfer(e.key, e.src, e.dst, CONTROL_TOKEN_DTYPE, [0]))
     plan = Plan(transfers, name=plan_name(name, graph_def), depth=depth)
-    return Analysis(graph_def, plan, tuple(edges), placements, caller_task)
+    notes = tuple(reason for _, reason in sorted(spanning.items()))
+    return Analysis(graph_def, plan, tuple(edges), placements, caller_task,
+                    notes)
 
 
 def _attr(value):

@@ -94,7 +94,7 @@ def short_task(task):
     return task[len("/job:"):].replace("/task:", ":")
 
 
-def _spanning_reasons(view, placements):
+def spanning_calls(view, placements):
     """``{node: reason}`` for calls / loops whose bodies run on other tasks."""
     reasons = {}
     for name in view.nodes:
@@ -125,7 +125,8 @@ def _spanning_reasons(view, placements):
     return reasons
 
 
-def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None):
+def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
+                       spanning=None):
     """Returns every cross-task edge of ``view`` as a sorted list of :class:`Edge`.
 
     Args:
@@ -135,8 +136,11 @@ def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None):
       endpoint_tasks: Tasks that run a tf_rdma endpoint; an edge to or from
         any other task is kept. None means every task except ``caller_task``.
       caller_task: The caller's task (used when ``endpoint_tasks`` is None).
+      spanning: ``{node: reason}`` from :func:`spanning_calls`, if already
+        computed.
     """
-    spanning = _spanning_reasons(view, placements)
+    if spanning is None:
+        spanning = spanning_calls(view, placements)
     grouped = {}
     for name in view.nodes:
         dst = placements[name].task

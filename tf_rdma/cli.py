@@ -3,10 +3,17 @@
 Each subcommand lives in its own module. The command line is part of the
 tf_rdma package, whose import loads TensorFlow and the op library (and so
 checks the installation before anything runs).
+
+The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
+for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
+``--helpfull``, and the absl flags TensorFlow defines, such as
+``--verbosity``) on every command.
 """
 
 import argparse
 import sys
+
+from absl.flags import argparse_flags
 
 __all__ = ["main", "build_parser"]
 
@@ -35,13 +42,34 @@ def _add_launch(subparsers):
     parser.set_defaults(func=run)
 
 
+def _add_inspect(subparsers):
+    from tf_rdma import inspect_cli
+
+    parser = subparsers.add_parser(
+        "inspect",
+        help="show the transfer plan of a function, SavedModel or GraphDef",
+        usage=inspect_cli._USAGE,
+        description=inspect_cli._DESCRIPTION,
+        epilog=inspect_cli._EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect_cli.add_arguments(parser)
+
+    def run(args):
+        return inspect_cli.run(args, parser)
+
+    parser.set_defaults(func=run)
+
+
 def build_parser():
     """Returns the ``tf-rdma`` argument parser with every subcommand.
 
     Returns:
-        An ``argparse.ArgumentParser``.
+        An ``absl.flags.argparse_flags.ArgumentParser`` (an
+        ``argparse.ArgumentParser``); its subcommand parsers are of the same
+        class.
     """
-    parser = argparse.ArgumentParser(
+    parser = argparse_flags.ArgumentParser(
         prog="tf-rdma",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,6 +77,7 @@ def build_parser():
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands")
     subparsers.required = True
     _add_launch(subparsers)
+    _add_inspect(subparsers)
     return parser
 
 

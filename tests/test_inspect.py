@@ -1,0 +1,561 @@
+"""Tests of ``tf-rdma inspect``: real tracing, real files, the real command.
+
+The end-to-end runs are ``python -m tf_rdma.cli inspect ...`` subprocesses on
+a traced function, a SavedModel, a binary and a text GraphDef (all written
+here, from one model with every kind of cross-task edge), and on each kind of
+bad input. Each run imports TensorFlow, so the module fixture starts all of
+them at once and the tests check their own: the imports overlap.
+
+Argument errors, the other bad inputs and the renderers are checked
+in-process, through ``tf_rdma.cli.main`` and ``tf_rdma.inspect_cli``.
+
+The HTML page is loaded in headless Chromium (Debian's ``chromium``; the test
+skips with the reason where it is not installed) and the DOM it builds must
+hold the transfer table and the graph.
+"""
+
+import html.parser
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import base_env
+from tf_rdma import cli, inspect_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+#: Seconds every CLI run (all started together) may take.
+RUN_TIMEOUT_S = 180
+
+# One model, placed on three tasks, with an edge of every class:
+#   h        worker:0 -> worker:1  static   float32 [32, 128]
+#   r        worker:1 -> worker:0  static   float32 [32, 128]
+#   z        worker:0 -> worker:1  dynamic  float32 [None, 8]
+#   ^tick    worker:0 -> worker:1  control
+#   s        worker:0 -> worker:1  kept     string (not memcpy-able)
+#   w        ps:0     -> worker:0  static   float32 [128, 16]
+# plus the arguments and results, kept: the caller has no endpoint.
+MODEL = '''
+import tensorflow as tf
+
+SIGNATURE = [tf.TensorSpec([32, 64], tf.float32),
+             tf.TensorSpec([None, 8], tf.float32)]
+
+
+@tf.function
+def step(x, y):
+    with tf.device("/job:ps/task:0"):
+        w = tf.random.stateless_normal([128, 16], seed=[1, 2], name="w")
+    with tf.device("/job:worker/task:0"):
+        h = tf.matmul(x, tf.ones([64, 128]), name="h")
+        z = tf.multiply(y, 2.0, name="z")
+        s = tf.strings.as_string(h[0, 0], name="s")
+        tick = tf.no_op(name="tick")
+    with tf.device("/job:worker/task:1"):
+        with tf.control_dependencies([tick]):
+            r = tf.nn.relu(h, name="r")
+        n = tf.strings.length(s, name="n")
+        m = tf.reduce_sum(z, name="m")
+    with tf.device("/job:worker/task:0"):
+        out = tf.matmul(r, w, name="out")
+    return out, n, m
+
+
+def local_only(x):
+    return x * 2.0
+'''
+
+SIGNATURE = ("[tf.TensorSpec([32, 64], tf.float32), "
+             "tf.TensorSpec([None, 8], tf.float32)]")
+
+EXPECTED = {  # key -> kind, for every input made from MODEL.
+    "h:0>worker:1": "static",
+    "r:0>worker:0": "static",
+    "z:0>worker:1": "dynamic",
+    "^tick>worker:1": "control",
+    "s:0>worker:1": "kept",
+    "w:0>worker:0": "static",
+}
+
+
+def _start(args, cwd):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tf_rdma.cli", "inspect", *args],
+        cwd=cwd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+
+
+class Run:
+    def __init__(self, name, args, returncode, stdout, stderr):
+        self.name, self.args = name, args
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+    def describe(self):
+        return (f"--- {self.name}: tf-rdma inspect {' '.join(self.args)}: exit "
+                f"{self.returncode}\nstdout:\n{self.stdout[-3000:]}\n"
+                f"stderr:\n{self.stderr[-3000:]}")
+
+
+def _write_inputs(d):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from google.protobuf import text_format  # pylint: disable=import-outside-toplevel
+
+    (d / "model.py").write_text(MODEL)
+    spec = importlib.util.spec_from_file_location("inspect_test_model", d / "model.py")
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+
+    # GraphDefs as users export them: no _output_shapes (inspect re-infers them).
+    graph_def = model.step.get_concrete_function(*model.SIGNATURE).graph.as_graph_def()
+    (d / "model.pb").write_bytes(graph_def.SerializeToString())
+    (d / "model.pbtxt").write_text(text_format.MessageToString(graph_def))
+
+    class Saved(tf.Module):
+        pass
+
+    saved = Saved()
+    saved.step = model.step
+    tf.saved_model.save(saved, str(d / "saved"),
+                        signatures=model.step.get_concrete_function(*model.SIGNATURE))
+
+    local = tf.function(model.local_only).get_concrete_function(
+        tf.TensorSpec([4], tf.float32)).graph.as_graph_def()
+    (d / "local.pbtxt").write_text(text_format.MessageToString(local))
+    (d / "notgraph.pb").write_text("this is a shopping list, not a graph\n")
+    (d / "malformed.pbtxt").write_text(
+        'node {\n  name: "a"\n  op: "Const"\n  colour: "blue"\n}\n')
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inspect")
+    _write_inputs(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(inputs):
+    """Starts every CLI run at once; returns {name: Run}."""
+    d = inputs
+    plans = {
+        "traced": ["model.py:step", "--signature", SIGNATURE],
+        "saved_model": ["saved", "--format", "dot"],
+        "pb": ["model.pb", "--format", "json", "--output", str(d / "pb.json")],
+        "pbtxt": ["model.pbtxt", "--format", "html", "--output", str(d / "plan.html")],
+        "not_a_graph": ["notgraph.pb"],
+        "no_such_function": ["model.py:train_step", "--signature", SIGNATURE],
+        "malformed_pbtxt": ["malformed.pbtxt"],
+        "no_cross_task_edges": ["local.pbtxt"],
+    }
+    procs = {name: _start(args, d) for name, args in plans.items()}
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    out = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(
+                    timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"tf-rdma inspect {plans[name]} did not finish in "
+                            f"{RUN_TIMEOUT_S} s")
+            out[name] = Run(name, plans[name], proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return out
+
+
+def _ok(run):
+    assert run.returncode == 0, run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    return run
+
+
+def _rows(text):
+    """The transfer table of the text format: {key-ish (src node, dst task): row}."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("transfers ("))
+    header = lines[start + 1].split()
+    assert header[:3] == ["#", "src", "node"], lines[start + 1]
+    rows = []
+    for line in lines[start + 3:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_traced_function_text(runs):
+    run = _ok(runs["traced"])
+    out = run.stdout
+    assert "tf-rdma inspect: model.py:step" in out
+    for column in ("src node", "dst node", "src task", "dst task", "dtype",
+                   "shape", "bytes", "class", "region", "offset"):
+        assert column in out, out
+    rows = {(r[1], r[4]): r for r in _rows(out)}
+    # h: float32 [32, 128] = 16384 bytes, in the worker:0 -> worker:1 region
+    # after the control slot (key "^tick" sorts first; 2 copies of 64 bytes).
+    h = rows[("h:0", "worker:1")]
+    assert h[2:9] == ["r", "worker:0", "worker:1", "float32", "[32,", "128]", "16384"], h
+    assert h[9:] == ["static", "worker:0->worker:1", "128"], h
+    assert "static" in rows[("r:0", "worker:0")]
+    w = rows[("w:0", "worker:0")]
+    assert w[3] == "ps:0" and "static" in w and "ps:0->worker:0" in w, w
+    z = rows[("z:0", "worker:1")]
+    assert "[?," in z and "?" in z and "dynamic" in z and "worker:0->worker:1" in z, z
+    tick = rows[("^tick", "worker:1")]
+    assert "control" in tick and "worker:0->worker:1" in tick, tick
+    s = rows[("s:0", "worker:1")]
+    assert "string" in s and "kept" in s, s
+    x = rows[("x:0", "worker:0")]
+    assert x[3] == "localhost:0" and "kept" in x, x
+
+    assert "per task pair" in out
+    pair = next(line.split() for line in out.splitlines()
+                if line.startswith("worker:0     worker:1"))
+    # edges, static, dynamic, control, kept, tf_rdma bytes/step
+    assert pair[2:8] == ["4", "1", "1", "1", "1", "16384"], pair
+    summary = out[out.index("\nsummary\n"):]
+    assert "per step through tf_rdma: 40960 bytes (40.0 KiB) in 3 static slots" in summary
+    assert "+ 1 control token" in summary
+    assert "shape [None, 8] not fully known at trace time: z:0>worker:1" in summary
+    assert "string tensors are not memcpy-able: s:0>worker:1" in summary
+    assert "/job:localhost/task:0 has no tf_rdma endpoint" in summary
+    assert "payload areas of the dynamic slots" in summary
+    # The arguments' placement was inferred, and the table says why.
+    assert any(line.split()[:2] == ["x", "localhost:0"] and "argument" in line
+               for line in out.splitlines()), out
+
+
+def test_graph_def_binary_json(runs, inputs):
+    _ok(runs["pb"])
+    assert runs["pb"].stdout == ""  # --output: nothing on stdout.
+    doc = json.loads((inputs / "pb.json").read_text())
+    kinds = {e["key"]: e["kind"] for e in doc["edges"]}
+    assert {k: kinds.get(k) for k in EXPECTED} == EXPECTED
+    # Shapes were re-inferred from the shapeless GraphDef: h has a slot.
+    h = next(e for e in doc["edges"] if e["key"] == "h:0>worker:1")
+    assert h["shape"] == [32, 128] and h["nbytes"] == 16384
+    assert h["region"].endswith("//job:worker/task:0->/job:worker/task:1")
+    assert h["offset"] == 128 and h["stride"] == 16448  # After "^tick"'s slot.
+    assert doc["notes"] == []
+    assert doc["summary"]["bytes_per_step"]["tf_rdma"] == 2 * 16384 + 128 * 16 * 4
+    assert doc["summary"]["counts"] == {"static": 3, "dynamic": 1, "control": 1,
+                                        "kept": len(doc["edges"]) - 5}
+    planned = {t["key"] for t in doc["plan"]["transfers"]}
+    assert planned == {k for k, kind in EXPECTED.items() if kind != "kept"}
+    assert {(p["src"], p["dst"]) for p in doc["pairs"]} >= {
+        ("/job:worker/task:0", "/job:worker/task:1"),
+        ("/job:ps/task:0", "/job:worker/task:0")}
+
+
+def test_saved_model_dot(runs):
+    out = _ok(runs["saved_model"]).stdout
+    assert out.startswith("digraph ")
+    for task in ("ps_0", "worker_0", "worker_1", "localhost_0"):
+        assert f"subgraph cluster_{task} {{" in out, out
+    # The signature's wrapper call is inlined: the saved function's nodes.
+    assert '"PartitionedCall/h" -> "PartitionedCall/r" [label="PartitionedCall/h:0>worker:1' in out, out
+    assert "16.0 KiB static" in out
+    assert "control" in out and "dynamic" in out and "kept" in out
+    assert out.count("{") == out.count("}")
+
+
+def test_graph_def_text_html(runs, inputs):
+    _ok(runs["pbtxt"])
+    page = (inputs / "plan.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<svg" in page and 'id="transfers"' in page
+    # Self-contained: no scripts, no stylesheets or images from elsewhere.
+    assert "<script" not in page
+    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("not_a_graph", "notgraph.pb is not a graph: not a binary GraphDef"),
+    ("no_such_function", "no function 'train_step' in model.py; its functions: local_only, step"),
+    ("malformed_pbtxt", 'malformed.pbtxt is not a graph: malformed text GraphDef (pbtxt), '
+                        'line 4:3 : Message type "tensorflow.NodeDef" has no field named "colour"'),
+    ("no_cross_task_edges", "no cross-task edges in local.pbtxt"),
+])
+def test_bad_input_is_one_clear_message(runs, name, message):
+    run = runs[name]
+    assert run.returncode != 0, run.describe()
+    assert message in run.stderr, run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    assert run.stdout == "", run.describe()
+    expected = (inspect_cli.EXIT_NO_TRANSFERS if name == "no_cross_task_edges"
+                else inspect_cli.EXIT_ERROR)
+    assert run.returncode == expected, run.describe()
+
+
+# --------------------------------------------------------------------------- HTML in a browser
+
+
+class _DomScan(html.parser.HTMLParser):
+    """Collects the data-key of transfer rows and of SVG transfer edges."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self.edges, self.svg, self.tasks = [], [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if tag == "tr" and "edge-row" in classes:
+            self.rows.append(a.get("data-key"))
+        elif tag == "g" and "transfer" in classes:
+            self.edges.append(a.get("data-key"))
+        elif tag == "g" and "task" in classes:
+            self.tasks.append(a.get("data-task"))
+        elif tag == "svg":
+            self.svg += 1
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_html_renders_in_headless_chromium(runs, inputs, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it "
+                    "with apt where it can): cannot load the HTML page")
+    _ok(runs["pbtxt"])
+    _ok(runs["pb"])
+    expected = {e["key"] for e in json.loads((inputs / "pb.json").read_text())["edges"]}
+    page = inputs / "plan.html"
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu",
+         "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dom = proc.stdout
+    assert "<tbody>" in dom, dom[:2000]  # Chromium's parse, not our text.
+    scan = _DomScan()
+    scan.feed(dom)
+    assert scan.svg == 1, dom[:2000]
+    assert sorted(scan.rows) == sorted(expected)
+    assert set(scan.edges) == expected  # Every transfer is drawn.
+    assert sorted(scan.tasks) == ["localhost:0", "ps:0", "worker:0", "worker:1"]
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def _main(argv, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions  # pylint: disable=protected-access
+               if a.dest == "subcommand")
+    assert {"launch", "inspect"} <= set(sub.choices)
+    for name in sub.choices:
+        code, out, _ = _main([name, "--help"], capsys)
+        assert code == 0 and f"usage: tf-rdma {name}" in out, (name, out)
+    code, out, _ = _main(["inspect", "--help"], capsys)
+    for option in ("--signature", "--caller-device", "--endpoint-tasks", "--depth",
+                   "--format", "--output", "tf.TensorSpec", "exit status"):
+        assert option in out, option
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0 and "inspect" in out and "--helpfull" in out
+
+
+def test_absl_flagfile(inputs, tmp_path, capsys):
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text("--format=json\n--depth=3\n")
+    code, out, err = _main(["inspect", str(inputs / "model.pb"),
+                            f"--flagfile={flagfile}"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["depth"] == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--depth", "0"], "--depth: must be in [1, 64], got 0"),
+    (["--endpoint-tasks", "worker 1"], "invalid task name 'worker 1'"),
+    (["--caller-device", "/device:CPU:0"], "names no job"),
+    (["--format", "svg"], "invalid choice: 'svg'"),
+])
+def test_bad_arguments_exit_2(inputs, args, message, capsys):
+    code, _, err = _main(["inspect", str(inputs / "model.pb"), *args], capsys)
+    assert code == 2 and "usage: tf-rdma inspect" in err and message in err, err
+
+
+def test_bad_signature_exit_2(inputs, capsys):
+    for signature, message in (("[tf.TensorSpec([32, 64]", "is not a Python expression"),
+                               ("open('/etc/passwd')", "NameError"),
+                               ("42", "must give a list, a dict or a tf.TensorSpec")):
+        code, _, err = _main(["inspect", f"{inputs / 'model.py'}:step",
+                              "--signature", signature], capsys)
+        assert code == 2 and message in err, (signature, err)
+
+
+def test_more_bad_inputs(inputs, tmp_path, capsys):
+    (tmp_path / "empty.pbtxt").write_text("# nothing\n")
+    (tmp_path / "notsaved").mkdir()
+    (tmp_path / "explodes.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "shapes.py").write_text(textwrap.dedent("""
+        import tensorflow as tf
+
+        @tf.function
+        def f():
+            with tf.device("/job:worker/task:0"):
+                return tf.matmul(tf.ones([2, 3]), tf.ones([4, 5]))
+        """))
+    cases = [
+        ([str(tmp_path / "missing.pb")], "no such file or directory"),
+        ([str(inputs / "model.py")], "name the function to trace as"),
+        ([f"{inputs / 'model.py'}:step"],
+         "takes arguments (x, y) and has no input_signature: give their specs with --signature"),
+        ([str(tmp_path / "empty.pbtxt")], "parses, but has no nodes"),
+        ([str(tmp_path / "notsaved")], "is a directory but not a SavedModel"),
+        ([f"{tmp_path / 'explodes.py'}:f"],
+         "cannot import", ),
+        ([f"{tmp_path / 'shapes.py'}:f"], "Dimensions must be equal"),
+        ([str(inputs / "saved"), "--signature-key", "predict"],
+         "has no signature or restored function 'predict'; its signatures: serving_default"),
+        ([str(inputs / "model.pb"), "--output", str(tmp_path / "no" / "dir")],
+         "cannot write"),
+        (["no_such_module_anywhere:f"], "no module named 'no_such_module_anywhere'"),
+    ]
+    for argv, message in cases:
+        code, out, err = _main(["inspect", *argv], capsys)
+        assert code == inspect_cli.EXIT_ERROR, (argv, code, err)
+        assert message in err and "Traceback" not in err, (argv, err)
+        assert err.count("\n") == 1, (argv, err)  # One line.
+    code, _, err = _main(["inspect", f"{tmp_path / 'explodes.py'}:f"], capsys)
+    assert "RuntimeError: no GPU here (explodes.py, line 1)" in err, err
+    code, _, err = _main(["inspect", f"{tmp_path / 'shapes.py'}:f"], capsys)
+    assert "(shapes.py, line 7)" in err, err
+
+
+def test_endpoint_tasks_and_caller_device(inputs, capsys):
+    # Short task names work; only edges between endpoint tasks are planned.
+    code, out, err = _main(["inspect", str(inputs / "model.pb"), "--format", "json",
+                            "--endpoint-tasks", "worker:0,ps:0"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    kinds = {e["key"]: (e["kind"], e["reason"]) for e in doc["edges"]}
+    assert kinds["w:0>worker:0"] == ("static", "")
+    assert kinds["h:0>worker:1"] == ("kept", "/job:worker/task:1 has no tf_rdma endpoint")
+    assert doc["endpoint_tasks"] == ["/job:worker/task:0", "/job:ps/task:0"]
+    # Called from worker:0, the arguments move worker:0 -> worker:0: no edge.
+    code, out, err = _main(["inspect", str(inputs / "model.pb"), "--format", "json",
+                            "--caller-device", "/job:worker/replica:0/task:0"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["caller_task"] == "/job:worker/task:0"
+    assert not any(e["src"] == "/job:localhost/task:0" for e in doc["edges"])
+
+
+def test_rewrite_function_and_plain_function(tmp_path, capsys):
+    (tmp_path / "decorated.py").write_text(textwrap.dedent("""
+        import tensorflow as tf
+        import tf_rdma
+
+        @tf_rdma.rewrite(depth=4)
+        def step():
+            with tf.device("/job:worker/task:0"):
+                a = tf.ones([8, 8])
+            with tf.device("/job:worker/task:1"):
+                return tf.reduce_sum(a * 2.0)
+
+        def plain():
+            with tf.device("/job:worker/task:0"):
+                a = tf.ones([4])
+            with tf.device("/job:worker/task:1"):
+                return a * 3.0
+        """))
+    code, out, err = _main(["inspect", f"{tmp_path / 'decorated.py'}:step",
+                            "--format", "json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["plan"]["depth"] == 4  # The decorator's own setting.
+    assert [t["key"] for t in doc["plan"]["transfers"]] == ["ones:0>worker:1"]
+    code, out, err = _main(["inspect", f"{tmp_path / 'decorated.py'}:plain",
+                            "--depth", "1"], capsys)
+    assert code == 0, err
+    assert "ones:0>worker:1" not in out  # The text table shows nodes, not keys.
+    assert "16 bytes (16 B) in 1 static slot" in out and "depth 1" in out
+
+
+def test_renderers_agree(inputs):
+    """Every format shows every edge of one analysis."""
+    from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+    from tf_rdma.graph_passes import rewrite as passes  # pylint: disable=import-outside-toplevel
+
+    graph_def = graph_pb2.GraphDef.FromString((inputs / "model.pb").read_bytes())
+    graph_def, note = inspect_cli.with_shapes(graph_def)
+    assert note is None
+    analysis = passes.analyze(graph_def, name="model")
+    report = inspect_cli.make_report("model.pb", analysis)
+    keys = {e.key for e in analysis.edges}
+    doc = json.loads(inspect_cli.render_json(report))
+    assert {e["key"] for e in doc["edges"]} == keys
+    dot = inspect_cli.render_dot(report)
+    page = inspect_cli.render_html(report)
+    text = inspect_cli.render_text(report)
+    for key in keys:
+        assert f"{key}\\n" in dot, key
+        assert f'data-key="{key}"' in page.replace("&gt;", ">"), key
+    assert len(_rows(text)) == len(keys)
+
+
+def test_saved_model_restored_function(inputs, capsys):
+    # A restored tf.function (not a signature), as saved and re-traced.
+    for extra in ([], ["--signature", SIGNATURE]):
+        code, out, err = _main(["inspect", str(inputs / "saved"), "--signature-key",
+                                "step", "--format", "json", *extra], capsys)
+        assert code == 0, (extra, err)
+        # A re-trace is a wrapper whose call is inlined: names get its prefix.
+        kinds = {re.sub(r"^(\^?)PartitionedCall/", r"\1", e["key"]): e["kind"]
+                 for e in json.loads(out)["edges"]}
+        assert {k: kinds.get(k) for k in EXPECTED} == EXPECTED, (extra, kinds)
+    code, _, err = _main(["inspect", str(inputs / "saved"), "--signature", SIGNATURE],
+                         capsys)
+    assert code == 2 and "--signature does not apply to the SavedModel signature" in err
+
+
+def test_call_with_remote_body_is_named(tmp_path, capsys):
+    (tmp_path / "nested.py").write_text(textwrap.dedent("""
+        import tensorflow as tf
+
+        @tf.function
+        def inner(x):
+            with tf.device("/job:worker/task:0"):
+                return x * 2.0
+
+        @tf.function
+        def outer():
+            return inner(tf.ones([4]))
+        """))
+    code, _, err = _main(["inspect", f"{tmp_path / 'nested.py'}:outer"], capsys)
+    assert code == inspect_cli.EXIT_NO_TRANSFERS, err
+    assert "no cross-task edges at the top level" in err
+    assert "runs on /job:worker/task:0" in err and "Traceback" not in err
