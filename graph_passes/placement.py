@@ -18,8 +18,9 @@ plan and the placement cannot disagree:
    or nothing yet. Within a group an argument overrides what the user asked
    for, which is what TensorFlow's soft placement (on by default in TF2) does.
 3. Nodes still without a task, in topological order: metadata ops (``Shape``,
-   ``Size``, ``Rank``, ``ShapeN``) go with their first input (the placer's
-   "heuristic B"); everything else goes to the caller's device.
+   ``Size``, ``Rank``, ``ShapeN``) go with their first input if it is placed
+   already (the placer's "heuristic B"); everything else goes to the
+   caller's device.
 4. Then "generators" (no data inputs, one output, e.g. a ``Const``) whose
    consumers all ended up on one task move to that task (the placer's
    "heuristic A"), so a constant is not shipped across the network every step.
@@ -202,7 +203,8 @@ def resolve_devices(view, caller_device=DEFAULT_CALLER_DEVICE,
             generators.append(name)
             continue
         data_inputs = [i for i in view.inputs[name] if not i.is_control]
-        if node.op in METADATA_OPS and data_inputs:
+        if (node.op in METADATA_OPS and data_inputs
+                and data_inputs[0].producer in placements):
             source = data_inputs[0].producer
             place(name, placements[source].task,
                   f"metadata op, placed with its input {source!r}")

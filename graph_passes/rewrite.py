@@ -30,6 +30,7 @@ and must run, so TensorFlow never prunes one side of a pair).
 
 import dataclasses
 import hashlib
+import json
 import re
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, tensor_pb2
@@ -108,15 +109,18 @@ class Analysis:
         return "\n".join(lines)
 
 
-def plan_name(base, graph_def):
-    """A plan name from ``base`` and a fingerprint of the graph.
+def plan_name(base, transfers, depth):
+    """A plan name from ``base`` and a fingerprint of what the plan lays out.
 
-    Two different graphs never share regions, while the same graph traced
-    twice (or planned by two processes) gets the same name.
+    Regions are named after the plan, so two plans with another layout must
+    never share a name, while the same function traced again (in this process
+    or another) gets the same one. The fingerprint covers the transfers and
+    the depth, which is everything the layout depends on.
     """
     base = re.sub(r"[^A-Za-z0-9_.\-]", "_", base or "graph").strip("._-")
-    digest = hashlib.sha256(
-        graph_def.SerializeToString(deterministic=True)).hexdigest()[:10]
+    content = json.dumps([[t.to_dict() for t in sorted(transfers, key=lambda t: t.key)],
+                          depth], sort_keys=True)
+    digest = hashlib.sha256(content.encode("utf-8")).hexdigest()[:10]
     return f"{(base or 'graph')[:60]}.{digest}"
 
 
@@ -129,8 +133,9 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
         ``add_shapes=True`` (without shapes every edge is dynamic).
       caller_device: The device the function is called on.
       arg_devices: ``{placeholder: device}`` of arguments with a known device.
-      endpoint_tasks: Tasks with a tf_rdma endpoint (None: all but the
-        caller's task).
+      endpoint_tasks: Tasks with a tf_rdma endpoint (None: every task except
+        the caller's and those of job ``localhost``, TensorFlow's name for
+        the client's own job).
       depth: Copies per slot in the plan.
       name: Base of the plan's name (a fingerprint of the graph is appended).
 
@@ -163,7 +168,7 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
         elif e.kind == CONTROL:
             transfers.append(
                 Transfer(e.key, e.src, e.dst, CONTROL_TOKEN_DTYPE, [0]))
-    plan = Plan(transfers, name=plan_name(name, graph_def), depth=depth)
+    plan = Plan(transfers, name=plan_name(name, transfers, depth), depth=depth)
     notes = tuple(reason for _, reason in sorted(spanning.items()))
     return Analysis(graph_def, plan, tuple(edges), placements, caller_task,
                     notes)

@@ -36,6 +36,9 @@ DYNAMIC = "dynamic"
 CONTROL = "control"
 KEPT = "kept"
 KINDS = (STATIC, DYNAMIC, CONTROL, KEPT)
+# TensorFlow's name for the job of a client that connected to a cluster: it
+# runs no tf_rdma endpoint unless the caller says so (endpoint_tasks).
+CLIENT_JOB_PREFIX = "/job:localhost/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +137,8 @@ def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
       placements: ``{node: Placement}`` from
         :func:`~tf_rdma.graph_passes.placement.resolve_devices`.
       endpoint_tasks: Tasks that run a tf_rdma endpoint; an edge to or from
-        any other task is kept. None means every task except ``caller_task``.
+        any other task is kept. None means every task except ``caller_task``
+        and the tasks of job ``localhost`` (the client's).
       caller_task: The caller's task (used when ``endpoint_tasks`` is None).
       spanning: ``{node: reason}`` from :func:`spanning_calls`, if already
         computed.
@@ -173,7 +177,8 @@ def _classify(view, producer, consumers, src, dst, dtype, shape, control,
               spanning, endpoint_tasks, caller_task):
     for task in (src, dst):
         has_endpoint = (task in endpoint_tasks if endpoint_tasks is not None
-                        else task != caller_task)
+                        else task != caller_task
+                        and not task.startswith(CLIENT_JOB_PREFIX))
         if not has_endpoint:
             return KEPT, f"{task} has no tf_rdma endpoint"
     for node in (producer,) + tuple(c for c, _ in consumers):

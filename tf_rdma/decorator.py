@@ -49,7 +49,8 @@ def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
         each task.
       endpoint_tasks: Task names that run a tf_rdma endpoint (e.g.
         ``["worker:0", "ps:0"]``); edges to other tasks stay on gRPC. None
-        means every task except the one the function is called from.
+        means every task except the one the function is called from and
+        those of job ``localhost`` (the client's).
       name: Base of the plan name (default: the function's name).
 
     Returns:
@@ -148,11 +149,18 @@ class RewrittenFunction:
                 f"values")
         with tf.init_scope():
             caller_device = tf.zeros([]).device
+        # Arguments the wrapper got as real (eager) tensors — a tf.Variable
+        # argument arrives as its handle — are captured like the closure's
+        # captures, and both keep the device where they live.
         arg_devices = {}
-        for placeholder, value in zip(internal, captured):
-            device = getattr(value, "device", "")
-            if device:
-                arg_devices[placeholder.op.name] = device
+        input_map = {}
+        for placeholder, value in (list(zip(user_inputs, outer_inputs))
+                                   + list(zip(internal, captured))):
+            if not tf.is_symbolic_tensor(value):
+                if getattr(value, "device", ""):
+                    arg_devices[placeholder.op.name] = value.device
+                value = outer.capture(value)
+            input_map[placeholder.name] = value
         graph_def = inner.as_graph_def(add_shapes=True)
         analysis = passes.analyze(
             graph_def, caller_device=caller_device, arg_devices=arg_devices,
@@ -161,9 +169,6 @@ class RewrittenFunction:
         rewritten = passes.rewrite_graph(analysis, self._timeout_ms)
         self.analyses.append(analysis)
 
-        input_map = {p.name: t for p, t in zip(user_inputs, outer_inputs)}
-        input_map.update(
-            {p.name: outer.capture(v) for p, v in zip(internal, captured)})
         outputs = tf.graph_util.import_graph_def(
             rewritten, input_map=input_map,
             return_elements=[t.name for t in inner.outputs],
