@@ -173,6 +173,9 @@ class RewrittenFunction:
             rewritten, input_map=input_map,
             return_elements=[t.name for t in inner.outputs],
             name="rewritten")
+        if analysis.planned and outputs:
+            outputs = _no_gradient_across(outputs, list(input_map.values()),
+                                          self._name)
         flat = tf.nest.flatten(concrete.structured_outputs,
                                expand_composites=True)
         imported = iter(outputs)
@@ -180,3 +183,30 @@ class RewrittenFunction:
                 for x in flat]
         return tf.nest.pack_sequence_as(concrete.structured_outputs, flat,
                                         expand_composites=True)
+
+
+def _no_gradient_across(outputs, inputs, name):
+    """Makes differentiating *through* the rewritten function an error.
+
+    A planned transfer has no data edge from send to recv, so a gradient
+    taken outside the function would silently stop at every transfer (None
+    or a partial gradient). Gradients computed inside the function are
+    planned like any other tensor and are not affected. The guard takes the
+    function's inputs (arguments and captured handles) too, so that every
+    input has a path to the outputs through it and the tape calls it.
+    """
+    n = len(outputs)
+
+    @tf.custom_gradient
+    def guard(*values):
+        def grad(*upstream):
+            del upstream
+            raise PlanError(
+                f"cannot differentiate through the rewritten function "
+                f"{name!r}: its tensors cross tasks through tf_rdma "
+                f"transfers, which carry no gradient. Compute the gradients "
+                f"inside the function (tf.GradientTape or tf.gradients in "
+                f"its body); they are then planned like every other tensor")
+        return [tf.identity(v) for v in values[:n]], grad
+
+    return guard(*outputs, *inputs)
