@@ -28,7 +28,9 @@ which each planned send and recv runs exactly once (both ops are stateful
 and must run, so TensorFlow never prunes one side of a pair).
 """
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import re
@@ -109,6 +111,24 @@ class Analysis:
         return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pauses Python's cyclic garbage collector.
+
+    The passes allocate on the order of ten objects per node, none of them
+    cyclic; with TensorFlow's few hundred thousand objects alive, those
+    allocations set off full collections that cost as much as the passes
+    themselves (measured on a 10,000-node graph: about 0.3-0.6 s of 1.2 s).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan_name(base, transfers, depth):
     """A plan name from ``base`` and a fingerprint of what the plan lays out.
 
@@ -148,6 +168,13 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
     if not isinstance(graph_def, graph_pb2.GraphDef):
         raise PlanError(
             f"expected a GraphDef, got {type(graph_def).__name__}")
+    with _gc_paused():
+        return _analyze(graph_def, caller_device, arg_devices, endpoint_tasks,
+                        depth, name)
+
+
+def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
+             name):
     view = GraphView(graph_def)
     placements = resolve_devices(view, caller_device, arg_devices)
     caller_task = task_of(caller_device)
@@ -214,14 +241,23 @@ def rewrite_graph(analysis, timeout_ms=-1):
       timeout_ms: Per-op wait bound in ms, or -1 for TF_RDMA_TIMEOUT on the
         task that runs the op.
     """
+    with _gc_paused():
+        return _rewrite_graph(analysis, timeout_ms)
+
+
+def _rewrite_graph(analysis, timeout_ms):
     plan = analysis.plan
     out = graph_pb2.GraphDef()
     out.CopyFrom(analysis.graph_def)
-    nodes = {n.name: n for n in out.node}
+    # Only the nodes this function changes: pinned ones and consumers.
+    wanted = {n for n, p in analysis.placements.items() if p.inferred}
+    for edge in analysis.planned:
+        wanted.update(c for c, _ in edge.consumers)
+    nodes = {n.name: n for n in out.node if n.name in wanted}
     for name, placement in analysis.placements.items():
         if placement.inferred:
             nodes[name].device = placement.device
-    used = set(nodes)
+    used = {n.name for n in analysis.graph_def.node}
 
     def unique(base):
         base = _NODE_NAME_BAD.sub("_", base)
