@@ -15,7 +15,7 @@ SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h'
 all: install
 
 help:
-	@echo "make demo     set up and run the 2-task p2p demo (gRPC vs tf_rdma)"
+	@echo "make demo     set up and train the PS example through gRPC and through @tf_rdma.rewrite"
 	@echo "make test     set up and run the test suite"
 	@echo "make bench    run bench/p2p.py and write bench/results/p2p.json"
 	@echo "make install  set up .venv and build the op library"
