@@ -36,6 +36,12 @@ def raw_ops():
     return _loader.load().ops
 
 
+def _planned_shape(shape):
+    if shape is None:
+        return "any shape (unknown rank)"
+    return "[" + ", ".join("None" if d is None else str(d) for d in shape) + "]"
+
+
 def timeout_to_ms(timeout):
     if timeout is None:
         return -1
@@ -94,7 +100,7 @@ def send(tensor, plan, key, timeout=None, name=None):
                         f"plan expects {slot.dtype}")
     if not tensor.shape.is_compatible_with(tf.TensorShape(slot.shape)):
         raise PlanError(f"tensor {key!r} has shape {tensor.shape}, but the plan "
-                        f"expects {tf.TensorShape(slot.shape)}")
+                        f"expects {_planned_shape(slot.shape)}")
     return _in_step_order(
         "send", plan, key,
         lambda: raw_ops().tf_rdma_send(tensor, name=name, **attrs))
