@@ -581,6 +581,26 @@ def gradient_through():
                 **graph_facts(inside, *feeds[0]))
 
 @scenario
+def dynamic_mask():
+    # tf.boolean_mask on one task, consumed on another: the edge's length is
+    # known only at run time, so it takes the dynamic path, and the sizes
+    # change from step to step (empty, growing past earlier capacities,
+    # shrinking).
+    spec = [tf.TensorSpec([None], tf.float32)]
+    def step(x):
+        with tf.device(W0):
+            kept = tf.boolean_mask(x, x > 0.5)
+        with tf.device(W1):
+            return tf.reduce_sum(kept * 3.0), tf.size(kept), kept[:5]
+    plain = tf.function(step, input_signature=spec)
+    rdma = rewrite(tf.function(step, input_signature=spec), name="dynamic_mask")
+    rng = np.random.default_rng(7)
+    feeds = [(tf.constant(rng.random(n, dtype=np.float32)),)
+             for n in (10, 0, 5000, 3, 200000, 40)]
+    same, shown = compare(plain, rdma, feeds)
+    return dict(same=same, shown=shown, **graph_facts(rdma, *feeds[0]))
+
+@scenario
 def long_chain():
     # 300 hops between worker 0 and worker 1: about 150 recvs wait at once on
     # each task, more than one futex_waitv watches (kMaxWatchedWords = 128).
@@ -599,7 +619,8 @@ def long_chain():
 SCENARIOS = ["ps_training", "model_split", "side_effect_order", "strings_cross",
              "nested_function", "control_flow", "retrace", "twins",
              "called_under_device", "same_graph_two_depths",
-             "variable_argument", "gradient_through", "long_chain"]
+             "variable_argument", "gradient_through", "dynamic_mask",
+             "long_chain"]
 
 
 @pytest.fixture(scope="module")
@@ -789,6 +810,13 @@ def test_gradient_through_the_rewritten_function(results):
     assert "cannot differentiate through the rewritten function" in r["outside"], r["outside"]
     # Inside: the backward pass is planned and matches the plain function.
     check_moved(r, 3)
+
+
+def test_dynamic_shapes_take_the_dynamic_path(results):
+    r = result_of(results, "dynamic_mask")
+    check_moved(r, 6)
+    (t,) = [t for t in r["transfers"] if t["src"] == W0 and t["dst"] == W1]
+    assert t.get("dynamic") is True and t["shape"] == [None], t
 
 
 def test_long_chain_of_hops(results):

@@ -1049,6 +1049,33 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
   return Status::Ok();
 }
 
+// Asks the peer to set up (or find) its region `name` of `size` bytes that
+// this process will write, telling it where our credit region is; returns
+// the transport handle of the peer's region.
+Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
+                                const std::string& name, uint64_t size,
+                                const std::string& plan_hash,
+                                uint32_t credits_id, const Region& credits,
+                                const Deadline& deadline, int* handle) {
+  std::map<std::string, std::string> reply;
+  TF_RDMA_RETURN_IF_ERROR(Request(
+      conn,
+      {{"name", name},
+       {"size", std::to_string(size)},
+       {"plan_hash", plan_hash},
+       {"credit_id", std::to_string(credits_id)},
+       {"credit_size", std::to_string(credits.size())},
+       {"credit_shm", credits.shm_name()}},
+      deadline, &reply));
+  RegionDescriptor remote;
+  uint64_t id = 0;
+  ParseUint(reply["id"], &id);
+  remote.id = static_cast<uint32_t>(id);
+  ParseUint(reply["size"], &remote.size);
+  remote.shm_name = reply["shm"];
+  return conn->pair->AddRemoteRegion(remote, handle);
+}
+
 Status Engine::OpenSendRegion(const SlotSpec& spec,
                               const std::shared_ptr<Connection>& conn,
                               const Deadline& deadline, SendRegion* region) {
@@ -1063,24 +1090,10 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
     std::lock_guard<std::mutex> cl(conn->mu);
     conn->peer_writable.insert(credits->id);
   }
-  std::map<std::string, std::string> reply;
-  TF_RDMA_RETURN_IF_ERROR(Request(
-      conn,
-      {{"name", spec.region},
-       {"size", std::to_string(spec.region_bytes)},
-       {"plan_hash", spec.plan_hash},
-       {"credit_id", std::to_string(credits->id)},
-       {"credit_size", std::to_string(credits->memory->size())},
-       {"credit_shm", credits->memory->shm_name()}},
-      deadline, &reply));
-  RegionDescriptor data;
-  uint64_t id = 0;
-  ParseUint(reply["id"], &id);
-  data.id = static_cast<uint32_t>(id);
-  ParseUint(reply["size"], &data.size);
-  data.shm_name = reply["shm"];
   int data_handle = -1;
-  TF_RDMA_RETURN_IF_ERROR(conn->pair->AddRemoteRegion(data, &data_handle));
+  TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
+      conn, spec.region, spec.region_bytes, spec.plan_hash, credits->id,
+      *credits->memory, deadline, &data_handle));
   region->conn = conn;
   region->data_handle = data_handle;
   region->credits = credits->memory.get();
@@ -1109,28 +1122,26 @@ uint64_t CreditNeeded(const SlotSpec& spec, uint64_t step) {
 
 }  // namespace
 
-bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
-                        Status* status) {
+// True if the slot is connected and the copy for the ticket's step is free.
+bool Engine::CreditReady(const SendTicket& ticket) const {
   SendSlot* slot = ticket.slot;
   if (!slot->bound.load(std::memory_order_acquire)) return false;
   const SlotSpec& spec = slot->spec;
-  if (CreditWord(slot->credits, spec, ticket.step)
-          ->load(std::memory_order_acquire) < CreditNeeded(spec, ticket.step)) {
-    return false;
-  }
+  return CreditWord(slot->credits, spec, ticket.step)
+             ->load(std::memory_order_acquire) >=
+         CreditNeeded(spec, ticket.step);
+}
+
+bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
+                        Status* status) {
+  if (!CreditReady(ticket)) return false;
   *status = FinishSend(ticket, data);
   return true;
 }
 
 bool Engine::TrySendDynamicNow(const SendTicket& ticket, const void* data,
                                const DynamicMeta& meta, Status* status) {
-  SendSlot* slot = ticket.slot;
-  if (!slot->bound.load(std::memory_order_acquire)) return false;
-  const SlotSpec& spec = slot->spec;
-  if (CreditWord(slot->credits, spec, ticket.step)
-          ->load(std::memory_order_acquire) < CreditNeeded(spec, ticket.step)) {
-    return false;
-  }
+  if (!CreditReady(ticket)) return false;
   *status = FinishSendDynamic(ticket, data, meta);
   return true;
 }
@@ -1174,26 +1185,11 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
       uint64_t size = kDynamicHeaderBytes + wanted * spec.depth;
       std::string name = spec.region + "#" + spec.tensor_name + "#" +
                          std::to_string(slot->generation + 1);
-      std::map<std::string, std::string> reply;
       Deadline deadline(ticket.timeout_ms);
-      TF_RDMA_RETURN_IF_ERROR(Request(
-          slot->conn,
-          {{"name", name},
-           {"size", std::to_string(size)},
-           {"plan_hash", spec.plan_hash},
-           {"credit_id", std::to_string(slot->credits_id)},
-           {"credit_size", std::to_string(slot->credits->size())},
-           {"credit_shm", slot->credits->shm_name()}},
-          deadline, &reply));
-      RegionDescriptor area;
-      uint64_t id = 0;
-      ParseUint(reply["id"], &id);
-      area.id = static_cast<uint32_t>(id);
-      ParseUint(reply["size"], &area.size);
-      area.shm_name = reply["shm"];
       int new_handle = -1;
-      TF_RDMA_RETURN_IF_ERROR(
-          slot->conn->pair->AddRemoteRegion(area, &new_handle));
+      TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
+          slot->conn, name, size, spec.plan_hash, slot->credits_id,
+          *slot->credits, deadline, &new_handle));
       slot->generation += 1;
       slot->capacity = wanted;
       slot->payload_handle = new_handle;

@@ -233,6 +233,12 @@ class Engine {
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
   Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
+  Status OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
+                          const std::string& name, uint64_t size,
+                          const std::string& plan_hash, uint32_t credits_id,
+                          const Region& credits, const Deadline& deadline,
+                          int* handle);
+  bool CreditReady(const SendTicket& ticket) const;
   Status OpenSendRegion(const SlotSpec& spec,
                         const std::shared_ptr<Connection>& conn,
                         const Deadline& deadline, SendRegion* region);
