@@ -11,6 +11,7 @@ planned edge for the tf_rdma ops:
   every consumer that used to read the tensor (their inputs are re-pointed,
   nothing else about them changes);
 * a control edge between tasks becomes a send of an empty ``int8`` tensor
+  (an Identity of an empty Const, with the control input on the Identity)
   that runs after the producer, and a recv the consumers wait for;
 * every node gets the task placement.py chose, written into its device, so
   that TensorFlow's placer cannot put a producer somewhere the plan did not
@@ -272,15 +273,23 @@ def _rewrite_graph(analysis, timeout_ms):
         send_name = unique(f"tf_rdma/send/{edge.key}")
         recv_name = unique(f"tf_rdma/recv/{edge.key}")
         if edge.kind == CONTROL:
-            token = unique(f"{send_name}/token")
-            const = out.node.add(name=token, op="Const",
+            # An empty constant, passed through an Identity that runs after
+            # the producer: the control edge sits on the Identity, because
+            # TensorFlow may evaluate (or fold) a Const ahead of its
+            # control inputs.
+            empty = unique(f"{send_name}/empty")
+            const = out.node.add(name=empty, op="Const",
                                  device=_task_device(edge.src))
-            const.input.append("^" + edge.producer)
             const.attr["dtype"].type = types_pb2.DT_INT8
             const.attr["value"].tensor.CopyFrom(tensor_pb2.TensorProto(
                 dtype=types_pb2.DT_INT8,
                 tensor_shape=tensor_shape_pb2.TensorShapeProto(
                     dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=0)])))
+            token = unique(f"{send_name}/token")
+            after = out.node.add(name=token, op="Identity",
+                                 device=_task_device(edge.src))
+            after.input.extend([empty, "^" + edge.producer])
+            after.attr["T"].type = types_pb2.DT_INT8
             send_input = token
         else:
             send_input = input_string(edge.producer, edge.index)

@@ -761,8 +761,13 @@ def check_rewrite(analysis, rewritten, timeout_ms=-1):
         if e.kind == CONTROL:
             (token_name,) = send.input
             token = nodes[token_name]
-            assert token.op == "Const" and task_of(token.device) == e.src
-            assert list(token.input) == [f"^{e.producer}"]
+            # Identity(empty Const, ^producer): the control input sits on the
+            # Identity, which TensorFlow cannot run ahead of it.
+            assert token.op == "Identity" and task_of(token.device) == e.src
+            empty, after = token.input
+            assert after == f"^{e.producer}"
+            assert nodes[empty].op == "Const" and list(nodes[empty].input) == []
+            assert task_of(nodes[empty].device) == e.src
             want_input = f"^{recv.name}"
         else:
             assert [parse_input(send.input[0], 0).tensor] == [e.tensor]
