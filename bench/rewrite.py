@@ -243,21 +243,6 @@ def plan_client(args):
         samples["analyze"].append((w1 - w0, c1 - c0))
         samples["rewrite_graph"].append((w2 - w1, c2 - c1))
         samples["plan+rewrite"].append((w2 - w0, c2 - c0))
-    # The same with Python's cyclic garbage collector paused: the passes
-    # allocate ~10^5 small objects, which triggers full collections that
-    # walk every object of the process (TensorFlow's included). Diagnostic
-    # only; the targets are read against the row above.
-    gc.disable()
-    try:
-        for _ in range(args.plan_runs):
-            w0, c0 = time.perf_counter(), time.process_time()
-            passes.rewrite_graph(passes.analyze(
-                graph_def, caller_device=caller, arg_devices=arg_devices,
-                name="synthetic"))
-            samples["plan+rewrite, gc paused"].append(
-                (time.perf_counter() - w0, time.process_time() - c0))
-    finally:
-        gc.enable()
     # What the decorator does next: import the rewritten graph (TensorFlow).
     import tf_rdma  # noqa: F401 - registers TfRdmaSend/TfRdmaRecv
     for _ in range(max(1, args.plan_runs // 2)):

@@ -1325,12 +1325,6 @@ bool Engine::PollRecvFor(RecvTicket* ticket) {
   return false;
 }
 
-Status Engine::FinishRecv(RecvTicket* ticket) {
-  Status s = RecvStep(ticket, Deadline(ticket->timeout_ms));
-  if (!s.ok()) GiveBackRecv(ticket, s);
-  return s;
-}
-
 void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
   std::lock_guard<std::mutex> lock(ticket->slot->mu);
   GiveBackStep(&ticket->slot->steps, ticket->step, why);

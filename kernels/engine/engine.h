@@ -134,7 +134,7 @@ struct RecvTicket {
   RecvSlot* slot = nullptr;
   uint64_t step = 0;
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
-  uint8_t* payload = nullptr;  // valid once FinishRecv returned ok
+  uint8_t* payload = nullptr;  // valid once the recv completed ok
 };
 
 class Engine {
@@ -165,7 +165,7 @@ class Engine {
   Status FinishSendDynamic(const SendTicket& ticket, const void* data,
                            const DynamicMeta& meta);
 
-  // Recv: ClaimRecv, then FinishRecv (may block, bounded); TryRecvNow
+  // Recv: ClaimRecv, then PollRecv or WaitRecvAsync (bounded); TryRecvNow
   // succeeds only if the data is already there. After a successful finish
   // the caller owns the slot copy until it calls Release.
   Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket);
@@ -176,15 +176,14 @@ class Engine {
   // 4 KiB ping-pong round trip fell from ~200 to ~50 us with 50 us of
   // polling); a peer that answers quickly lands within the poll.
   bool PollRecv(RecvTicket* ticket);
-  Status FinishRecv(RecvTicket* ticket);
-  // For a dynamic slot, after a successful finish: reads the DynamicMeta at
+  // For a dynamic slot, after the recv completed: reads the DynamicMeta at
   // ticket->payload, checks it against the payload area it names, and
   // points ticket->payload at the tensor's bytes.
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
-  // FinishRecv without holding a thread: the wait joins the poller (see
+  // Waits for the data without holding a thread: the wait joins the poller (see
   // engine.cc, "The poller") and `done` is called exactly once with the
-  // outcome, on the poller thread (or an engine thread, see there). As with
-  // FinishRecv, a failed step has been given back when `done` runs.
+  // outcome, on the poller thread (or an engine thread, see there). A
+  // failed step has been given back when `done` runs.
   using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
   void WaitRecvAsync(const RecvTicket& ticket, RecvDone done);
   // Called by a send op on TensorFlow's thread once its data is written:
