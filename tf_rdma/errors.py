@@ -30,3 +30,7 @@ class LibraryError(TfRdmaError, ImportError):
 
 class EndpointError(TfRdmaError, RuntimeError):
     """The tf_rdma endpoint of this process could not start or was used wrongly."""
+
+
+class CollectiveError(TfRdmaError, ValueError):
+    """A collective was called with arguments that cannot work (group, root, dtype, ...)."""

@@ -1240,8 +1240,12 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
   }
   uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
   if (s.ok()) {
+    uint64_t nbytes = spec.nbytes;
+    if (dynamic == nullptr && ticket.nbytes != 0 && ticket.nbytes < nbytes) {
+      nbytes = ticket.nbytes;
+    }
     s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes,
-                                data, spec.nbytes, copy, ticket.step);
+                                data, nbytes, copy, ticket.step);
   }
   if (!s.ok()) {
     Status alive = CheckPeerAlive(slot->conn, what);
@@ -1323,6 +1327,13 @@ bool Engine::PollRecvFor(RecvTicket* ticket) {
     }
   }
   return false;
+}
+
+Status Engine::FinishRecv(RecvTicket* ticket) {
+  if (TryRecvNow(ticket)) return Status::Ok();
+  Status s = RecvStep(ticket, Deadline(ticket->timeout_ms));
+  if (!s.ok()) GiveBackRecv(ticket, s);
+  return s;
 }
 
 void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {

@@ -127,6 +127,9 @@ struct SendTicket {
   SendSlot* slot = nullptr;
   uint64_t step = 0;
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
+  // Bytes to write, if fewer than the slot's nbytes (a collective's last,
+  // shorter block); 0: the slot's nbytes.
+  uint64_t nbytes = 0;
 };
 
 // A claimed step of a recv.
@@ -176,6 +179,9 @@ class Engine {
   // 4 KiB ping-pong round trip fell from ~200 to ~50 us with 50 us of
   // polling); a peer that answers quickly lands within the poll.
   bool PollRecv(RecvTicket* ticket);
+  // Waits for the data on this thread (bounded by the ticket's timeout); on
+  // failure the step has been given back. For engine threads (collectives).
+  Status FinishRecv(RecvTicket* ticket);
   // For a dynamic slot, after the recv completed: reads the DynamicMeta at
   // ticket->payload, checks it against the payload area it names, and
   // points ticket->payload at the tensor's bytes.

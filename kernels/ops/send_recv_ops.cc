@@ -12,6 +12,7 @@
 // probably expects is completed on its thread (engine.cc, "The poller").
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
+#include "kernels/ops/tf_status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -47,26 +48,6 @@ using tensorflow::shape_inference::InferenceContext;
       .Attr("shape: shape")                                                \
       .Attr("dynamic: bool = false")                                       \
       .Attr("timeout_ms: int = -1")
-
-absl::Status ToTf(const Status& s) {
-  switch (s.code()) {
-    case Code::kOk:
-      return absl::OkStatus();
-    case Code::kInvalidArgument:
-      return absl::InvalidArgumentError(s.message());
-    case Code::kDeadlineExceeded:
-      return absl::DeadlineExceededError(s.message());
-    case Code::kUnavailable:
-      return absl::UnavailableError(s.message());
-    case Code::kFailedPrecondition:
-      return absl::FailedPreconditionError(s.message());
-    case Code::kPermissionDenied:
-      return absl::PermissionDeniedError(s.message());
-    case Code::kInternal:
-      return absl::InternalError(s.message());
-  }
-  return absl::UnknownError(s.message());
-}
 
 // The planned shape: fully defined for a static slot; a dynamic slot's may
 // have unknown dimensions or an unknown rank.

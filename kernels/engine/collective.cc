@@ -1,0 +1,706 @@
+#include "kernels/engine/collective.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "kernels/engine/engine.h"
+#include "kernels/engine/sha256.h"
+
+namespace tf_rdma {
+
+const char* KindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce: return "allreduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kReduce: return "reduce";
+    case CollectiveKind::kAllGather: return "allgather";
+  }
+  return "?";
+}
+
+const char* AlgorithmName(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::kLp: return "lp";
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kTree: return "tree";
+    case Algorithm::kRhd: return "rhd";
+  }
+  return "?";
+}
+
+bool ParseKind(const std::string& name, CollectiveKind* out) {
+  for (CollectiveKind k : {CollectiveKind::kAllReduce, CollectiveKind::kBroadcast,
+                           CollectiveKind::kReduce, CollectiveKind::kAllGather}) {
+    if (name == KindName(k)) {
+      *out = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool ParseAlgorithm(const std::string& name, Algorithm* out) {
+  for (Algorithm a :
+       {Algorithm::kLp, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd}) {
+    if (name == AlgorithmName(a)) {
+      *out = a;
+      return true;
+    }
+  }
+  return false;
+}
+
+Status CollectiveSpec::Validate(const std::string& own_task) const {
+  std::string what = Describe();
+  int size = static_cast<int>(group.size());
+  if (size < 1) return InvalidArgument(what + ": the group is empty");
+  if (rank < 0 || rank >= size) {
+    return InvalidArgument(what + ": rank " + std::to_string(rank) +
+                           " is not in [0, " + std::to_string(size) + ")");
+  }
+  if (root < 0 || root >= size) {
+    return InvalidArgument(what + ": root " + std::to_string(root) +
+                           " is not in [0, " + std::to_string(size) + ")");
+  }
+  if (std::set<std::string>(group.begin(), group.end()).size() != group.size()) {
+    return InvalidArgument(what + ": a task appears twice in the group");
+  }
+  if (group[rank] != own_task) {
+    return InvalidArgument(what + ": rank " + std::to_string(rank) + " is " +
+                           group[rank] + " but this process is " + own_task);
+  }
+  if (element_bytes == 0 || block_bytes < element_bytes) {
+    return InvalidArgument(what + ": block of " + std::to_string(block_bytes) +
+                           " bytes is smaller than one element (" +
+                           std::to_string(element_bytes) + " bytes)");
+  }
+  if (depth < 1) {
+    return InvalidArgument(what + ": depth " + std::to_string(depth) +
+                           " must be >= 1");
+  }
+  return Status::Ok();
+}
+
+std::string CollectiveSpec::Hash() const {
+  std::string text = std::string(KindName(kind)) + "|" +
+                     AlgorithmName(algorithm) + "|" + reduction + "|" + dtype +
+                     "|" + std::to_string(root) + "|" + std::to_string(count) +
+                     "|" + std::to_string(element_bytes) + "|" +
+                     std::to_string(block_bytes) + "|" + std::to_string(depth);
+  for (const std::string& t : group) text += "|" + t;
+  Digest256 d = Sha256Of(text.data(), text.size());
+  return ToHex(d.data(), 8);
+}
+
+std::string CollectiveSpec::Describe() const {
+  return std::string(KindName(kind)) + " '" + instance + "' (" +
+         AlgorithmName(algorithm) + ", rank " + std::to_string(rank) + " of " +
+         std::to_string(group.size()) + ")";
+}
+
+namespace {
+
+// Per instance, per process: calls of one instance run one at a time (their
+// blocks share channels), and the first failure sticks.
+struct InstanceState {
+  std::mutex mu;
+  std::string hash;
+  std::string describe;
+  std::string poisoned;
+};
+
+std::mutex g_instances_mu;
+std::map<std::string, std::unique_ptr<InstanceState>>* g_instances =
+    new std::map<std::string, std::unique_ptr<InstanceState>>();
+
+InstanceState* GetInstance(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_instances_mu);
+  auto& entry = (*g_instances)[name];
+  if (!entry) entry.reset(new InstanceState);
+  return entry.get();
+}
+
+uint64_t RoundUp(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
+
+// A byte range of the buffer.
+struct Range {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+class Runner {
+ public:
+  Runner(const CollectiveSpec& spec, const uint8_t* src, uint8_t* buf,
+         const ReduceFn& reduce)
+      : spec_(spec),
+        src_(src),
+        buf_(buf),
+        reduce_(reduce),
+        size_(static_cast<int>(spec.group.size())),
+        rank_(spec.rank),
+        block_(std::max(spec.element_bytes,
+                        spec.block_bytes / spec.element_bytes *
+                            spec.element_bytes)),
+        hash_(spec.Hash()),
+        engine_(Engine::Get()) {}
+
+  Status Run();
+
+ private:
+  int Mod(int x) const { return ((x % size_) + size_) % size_; }
+  uint64_t Blocks(uint64_t length) const {
+    return (length + block_ - 1) / block_;
+  }
+  Range All() const {
+    uint64_t n = spec_.count * spec_.element_bytes;
+    return {0, spec_.kind == CollectiveKind::kAllGather ? n * size_ : n};
+  }
+  // Elements [lo, hi) as bytes.
+  Range Elements(uint64_t lo, uint64_t hi) const {
+    return {lo * spec_.element_bytes, (hi - lo) * spec_.element_bytes};
+  }
+  // Chunk c of P near-equal element ranges (the ring's unit).
+  Range Chunk(int c) const {
+    c = Mod(c);
+    return Elements(spec_.count * c / size_, spec_.count * (c + 1) / size_);
+  }
+  // Allgather: the pieces of ranks [first, end).
+  Range Pieces(int first, int end) const {
+    uint64_t piece = spec_.count * spec_.element_bytes;
+    return {piece * first, piece * (end - first)};
+  }
+
+  // Channels and blocks.
+  const SlotSpec& Channel(int from, int to);
+  Status Fail(const Status& s, const char* verb, int peer) const;
+  Status SendBlock(int to, const uint8_t* data, uint64_t nbytes);
+  // Receives a block into dst: a copy, or with `local` the reduction
+  // dst = local (op) block.
+  Status RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
+                   const uint8_t* local);
+
+  // The two primitives. A range's own data is in the input (src_) until
+  // the range is first written, in the buffer after that (RunCollective
+  // works out of place): `local`, `send_from` and `reduce_with` say which
+  // (reduce_with null: receive by copying).
+  Status Exchange(int to, Range send, const uint8_t* send_from, int from,
+                  Range recv, const uint8_t* reduce_with);
+  Status Flow(const std::vector<int>& from, const std::vector<int>& to,
+              Range range, bool reduce, const uint8_t* local);
+  Status Send(int to, Range range, const uint8_t* local) {
+    return Flow({}, {to}, range, false, local);
+  }
+  Status Recv(int from, Range range) {
+    return Flow({from}, {}, range, false, buf_);
+  }
+
+  // The algorithms.
+  Status Ring();
+  Status RingAllGather(int owned_shift, bool pieces);
+  Status Lp();
+  Status LpChain(const std::vector<int>& order, Range range, bool reduce);
+  Status LpAllGather();
+  Status Tree();
+  void TreeLinks(int root, int* parent, std::vector<int>* children) const;
+  Status Rhd();
+  Status RhdAllGather();
+
+  // Recursive halving over the active (power-of-two) ranks: see Rhd().
+  int active_ = 1;  // P', the largest power of two <= P
+  int extra_ = 0;   // P - P'
+  int NewRank(int r) const {
+    if (r < 2 * extra_) return r % 2 == 0 ? r / 2 : -1;
+    return r - extra_;
+  }
+  int OldRank(int nr) const { return nr < extra_ ? 2 * nr : nr + extra_; }
+  // The element ranges a new rank holds before each halving step, then
+  // after the last; steps go d = P'/2, P'/4, ..., 1.
+  std::vector<std::pair<uint64_t, uint64_t>> HalvingRanges(int nr) const;
+  Range RangeOf(int nr) const {
+    auto ranges = HalvingRanges(nr);
+    return Elements(ranges.back().first, ranges.back().second);
+  }
+
+  const CollectiveSpec& spec_;
+  const uint8_t* src_;
+  uint8_t* buf_;
+  const ReduceFn& reduce_;
+  const int size_;
+  const int rank_;
+  const uint64_t block_;
+  const std::string hash_;
+  Engine* engine_;
+  std::map<std::pair<int, int>, SlotSpec> channels_;
+};
+
+// A channel from rank `from` to rank `to`: one slot of `depth` copies of a
+// block, alone in a region of the receiver's named after the instance and
+// both tasks (so instances never share memory, and concurrent instances
+// never interleave blocks).
+const SlotSpec& Runner::Channel(int from, int to) {
+  auto key = std::make_pair(from, to);
+  auto it = channels_.find(key);
+  if (it != channels_.end()) return it->second;
+  SlotSpec s;
+  s.tensor_name = spec_.instance;
+  s.peer = spec_.group[from == rank_ ? to : from];
+  s.region = "coll:" + spec_.instance + ":" + spec_.group[from] + ">" +
+             spec_.group[to];
+  s.plan_hash = hash_;
+  s.nbytes = block_;
+  s.stride = RoundUp(kSlotHeaderBytes + block_, 64);
+  s.depth = spec_.depth;
+  s.offset = 0;
+  s.region_bytes = RoundUp(s.stride * s.depth, kPageBytes);
+  s.credit_bytes = RoundUp(kCreditLineBytes * s.depth, kPageBytes);
+  s.credit_index = 0;
+  s.timeout_ms = spec_.timeout_ms;
+  return channels_.emplace(key, s).first->second;
+}
+
+Status Runner::Fail(const Status& s, const char* verb, int peer) const {
+  return s.Prefixed(spec_.Describe() + ": " + verb + " " + spec_.group[peer]);
+}
+
+Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {
+  SendTicket ticket;
+  Status s = engine_->ClaimSend(Channel(rank_, to), &ticket);
+  if (s.ok()) {
+    ticket.nbytes = nbytes;
+    s = engine_->FinishSend(ticket, data);
+  }
+  return s.ok() ? s : Fail(s, "sending to", to);
+}
+
+Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
+                         const uint8_t* local) {
+  RecvTicket ticket;
+  Status s = engine_->ClaimRecv(Channel(from, rank_), &ticket);
+  if (s.ok()) s = engine_->FinishRecv(&ticket);
+  if (!s.ok()) return Fail(s, "receiving from", from);
+  if (local != nullptr) {
+    reduce_(dst, local, ticket.payload, nbytes / spec_.element_bytes);
+  } else {
+    std::memcpy(dst, ticket.payload, nbytes);
+  }
+  engine_->Release(ticket);
+  return Status::Ok();
+}
+
+// Exchange: send one range to `to` while receiving another from `from`,
+// block by block, interleaved (send block k, then receive block k).
+//
+// Both partners of a step run the same loop, so neither waits for more than
+// the other has already sent; with channels of depth >= 1 this cannot
+// deadlock, and with depth >= 2 the next block is written while the last is
+// still being consumed. The two ranges are disjoint, so working in place is
+// safe. Used by ring (neighbours) and rhd (partners).
+Status Runner::Exchange(int to, Range send, const uint8_t* send_from,
+                        int from, Range recv, const uint8_t* reduce_with) {
+  uint64_t send_blocks = Blocks(send.length);
+  uint64_t recv_blocks = Blocks(recv.length);
+  for (uint64_t k = 0; k < std::max(send_blocks, recv_blocks); ++k) {
+    uint64_t at = k * block_;
+    if (k < send_blocks) {
+      TF_RDMA_RETURN_IF_ERROR(SendBlock(
+          to, send_from + send.offset + at,
+          std::min(block_, send.length - at)));
+    }
+    if (k < recv_blocks) {
+      uint64_t where = recv.offset + at;
+      TF_RDMA_RETURN_IF_ERROR(
+          RecvBlock(from, buf_ + where, std::min(block_, recv.length - at),
+                    reduce_with ? reduce_with + where : nullptr));
+    }
+  }
+  return Status::Ok();
+}
+
+// Flow: for each block of `range`, receive it from every rank in `from`
+// (reducing into, or copying into, the buffer), then send it on to every rank
+// in `to`. A chain or a tree is a set of Flows; the pipeline comes from the
+// block loop: while this rank forwards block k, its upstream already writes
+// block k+1 into the channel, up to `depth` blocks ahead.
+Status Runner::Flow(const std::vector<int>& from, const std::vector<int>& to,
+                    Range range, bool reduce, const uint8_t* local) {
+  for (uint64_t k = 0; k < Blocks(range.length); ++k) {
+    uint64_t at = range.offset + k * block_;
+    uint64_t n = std::min(block_, range.offset + range.length - at);
+    const uint8_t* mine = local + at;  // this rank's data for the block
+    for (int f : from) {
+      TF_RDMA_RETURN_IF_ERROR(
+          RecvBlock(f, buf_ + at, n, reduce ? mine : nullptr));
+      mine = buf_ + at;
+    }
+    for (int t : to) TF_RDMA_RETURN_IF_ERROR(SendBlock(t, mine, n));
+  }
+  return Status::Ok();
+}
+
+// ring: the bandwidth-optimal algorithm of Patarasuk and Yuan.
+//
+// The buffer is cut into P chunks. Reduce-scatter: in step s (of P-1) rank r
+// sends chunk r-s to its right neighbour and reduces chunk r-s-1 arriving
+// from its left; after P-1 steps rank r holds chunk r+1 fully reduced.
+// Allgather: P-1 more steps pass the finished chunks around the ring. Each
+// step moves n/P bytes in blocks, so with pipelining every link is busy all
+// the time. Cost: 2(P-1)·α + 2(P-1)/P·n·β + (P-1)/P·n·γ — bandwidth term
+// independent of P, latency term linear in P (the price for small messages).
+// reduce(root) = reduce-scatter, then every rank sends its chunk to the
+// root; broadcast(root) = the root scatters the chunks, then the allgather.
+Status Runner::Ring() {
+  int next = Mod(rank_ + 1), prev = Mod(rank_ - 1);
+  switch (spec_.kind) {
+    case CollectiveKind::kAllGather:
+      return RingAllGather(0, true);
+    case CollectiveKind::kBroadcast:
+      if (rank_ == spec_.root) {
+        for (int q = 0; q < size_; ++q) {
+          if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Send(q, Chunk(q + 1), buf_));
+        }
+      } else {
+        TF_RDMA_RETURN_IF_ERROR(Recv(spec_.root, Chunk(rank_ + 1)));
+      }
+      return RingAllGather(1, false);
+    case CollectiveKind::kAllReduce:
+    case CollectiveKind::kReduce:
+      break;
+  }
+  for (int s = 0; s < size_ - 1; ++s) {
+    TF_RDMA_RETURN_IF_ERROR(
+        Exchange(next, Chunk(rank_ - s), s == 0 ? src_ : buf_, prev,
+                 Chunk(rank_ - s - 1), src_));
+  }
+  if (spec_.kind == CollectiveKind::kAllReduce) return RingAllGather(1, false);
+  if (rank_ != spec_.root) return Send(spec_.root, Chunk(rank_ + 1), buf_);
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Recv(q, Chunk(q + 1)));
+  }
+  return Status::Ok();
+}
+
+// The ring's allgather phase; rank r starts with chunk (or piece) r+shift.
+Status Runner::RingAllGather(int owned_shift, bool pieces) {
+  int next = Mod(rank_ + 1), prev = Mod(rank_ - 1);
+  auto part = [&](int c) {
+    c = Mod(c);
+    return pieces ? Pieces(c, c + 1) : Chunk(c);
+  };
+  for (int s = 0; s < size_ - 1; ++s) {
+    int send = rank_ + owned_shift - s;
+    TF_RDMA_RETURN_IF_ERROR(
+        Exchange(next, part(send), buf_, prev, part(send - 1), nullptr));
+  }
+  return Status::Ok();
+}
+
+// lp: linear pipelining along a chain (Zhao, Wang et al.).
+//
+// The ranks form a chain; the message is cut into blocks of b bytes. Block k
+// moves from rank i to rank i+1 while block k+1 arrives at rank i, so after a
+// fill of P-1 block times every link carries a block at once. A reduction
+// adds the local block (reading the incoming one where it landed in the
+// channel) before forwarding. Broadcast costs (P-1+n/b)·α + (b(P-1)+n)·β:
+// for n >> b(P-1) that is n·β, independent of P — the chain's point; a tree
+// sends the whole message log P times in sequence. allreduce = a reduce
+// down the chain then a broadcast back up it, each pipelined:
+// 2(P-1+n/b)·α + (b(P-1)+n)·(2β+γ). reduce(root) ends the chain at the root,
+// broadcast(root) starts it there.
+Status Runner::Lp() {
+  std::vector<int> order(size_);
+  switch (spec_.kind) {
+    case CollectiveKind::kAllGather:
+      return LpAllGather();
+    case CollectiveKind::kBroadcast:
+      for (int i = 0; i < size_; ++i) order[i] = Mod(spec_.root + i);
+      return LpChain(order, All(), false);
+    case CollectiveKind::kReduce:
+      for (int i = 0; i < size_; ++i) order[i] = Mod(spec_.root + 1 + i);
+      return LpChain(order, All(), true);
+    case CollectiveKind::kAllReduce:
+      break;
+  }
+  for (int i = 0; i < size_; ++i) order[i] = i;
+  TF_RDMA_RETURN_IF_ERROR(LpChain(order, All(), true));
+  std::reverse(order.begin(), order.end());
+  return LpChain(order, All(), false);
+}
+
+Status Runner::LpChain(const std::vector<int>& order, Range range,
+                       bool reduce) {
+  int v = static_cast<int>(std::find(order.begin(), order.end(), rank_) -
+                           order.begin());
+  std::vector<int> from, to;
+  if (v > 0) from.push_back(order[v - 1]);
+  if (v < size_ - 1) to.push_back(order[v + 1]);
+  return Flow(from, to, range, reduce, reduce ? src_ : buf_);
+}
+
+// lp allgather: down the chain 0 → P-1 rank v forwards pieces 0..v-1 as they
+// arrive, then sends its own; the last rank then holds everything, and back
+// up the chain rank v sends its own piece, then forwards pieces v+1..P-1.
+Status Runner::LpAllGather() {
+  int v = rank_;
+  bool has_next = v < size_ - 1, has_prev = v > 0;
+  std::vector<int> next, prev;
+  if (has_next) next.push_back(v + 1);
+  if (has_prev) prev.push_back(v - 1);
+  for (int p = 0; p < v; ++p) {
+    TF_RDMA_RETURN_IF_ERROR(Flow(prev, next, Pieces(p, p + 1), false, buf_));
+  }
+  if (has_next) TF_RDMA_RETURN_IF_ERROR(Send(v + 1, Pieces(v, v + 1), buf_));
+  if (has_prev) TF_RDMA_RETURN_IF_ERROR(Send(v - 1, Pieces(v, v + 1), buf_));
+  for (int p = v + 1; p < size_; ++p) {
+    TF_RDMA_RETURN_IF_ERROR(Flow(next, prev, Pieces(p, p + 1), false, buf_));
+  }
+  return Status::Ok();
+}
+
+// tree: a binomial tree, pipelined by blocks.
+//
+// With v the rank relative to the root, v's children are v + 2^k for every
+// 2^k below v's lowest set bit, its parent v - lowbit(v): ceil(log2 P)
+// levels, the root with the most children. reduce = every rank receives
+// each block from its children (reducing it in), then sends it to its
+// parent; broadcast = the reverse. Blocks pipeline through the levels like
+// the chain's, but a rank with c children moves each block c times, so the
+// bandwidth term is about ceil(log2 P)·n·β at the root against n·β for lp:
+// the tree wins on latency (log P hops), loses on bandwidth.
+// allreduce = reduce to rank 0, then broadcast from it; allgather = each
+// subtree's pieces gathered to rank 0 (contiguous), then broadcast.
+Status Runner::Tree() {
+  int parent;
+  std::vector<int> children;
+  auto up = [&] {
+    return parent < 0 ? std::vector<int>{} : std::vector<int>{parent};
+  };
+  switch (spec_.kind) {
+    case CollectiveKind::kBroadcast:
+      TreeLinks(spec_.root, &parent, &children);
+      return Flow(up(), children, All(), false, buf_);
+    case CollectiveKind::kReduce:
+      TreeLinks(spec_.root, &parent, &children);
+      return Flow(children, up(), All(), true, src_);
+    case CollectiveKind::kAllReduce:
+      TreeLinks(0, &parent, &children);
+      TF_RDMA_RETURN_IF_ERROR(Flow(children, up(), All(), true, src_));
+      break;
+    case CollectiveKind::kAllGather: {
+      TreeLinks(0, &parent, &children);
+      auto subtree_end = [&](int v) {
+        int low = v == 0 ? size_ : (v & -v);
+        return std::min(size_, v + low);
+      };
+      for (int c : children) {
+        TF_RDMA_RETURN_IF_ERROR(Recv(c, Pieces(c, subtree_end(c))));
+      }
+      if (parent >= 0) {
+        TF_RDMA_RETURN_IF_ERROR(
+            Send(parent, Pieces(rank_, subtree_end(rank_)), buf_));
+      }
+      break;
+    }
+  }
+  return Flow(up(), children, All(), false, buf_);
+}
+
+void Runner::TreeLinks(int root, int* parent,
+                       std::vector<int>* children) const {
+  int v = Mod(rank_ - root);
+  *parent = -1;
+  for (int mask = 1; mask < size_; mask <<= 1) {
+    if (v & mask) {
+      *parent = Mod(v - mask + root);
+      return;
+    }
+    if (v + mask < size_) children->push_back(Mod(v + mask + root));
+  }
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> Runner::HalvingRanges(
+    int nr) const {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  uint64_t lo = 0, hi = spec_.count;
+  for (int d = active_ / 2; d >= 1; d /= 2) {
+    ranges.emplace_back(lo, hi);
+    uint64_t mid = lo + (hi - lo) / 2;
+    if (nr & d) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  ranges.emplace_back(lo, hi);
+  return ranges;
+}
+
+// rhd: recursive halving and doubling (Rabenseifner; MPI's "bidirectional
+// exchange").
+//
+// Over P' = 2^k ranks, the halving phase pairs rank i with i XOR d for
+// d = P'/2, ..., 1: each sends the half of its current range it gives away
+// and reduces the half it keeps, so after log P' steps each rank owns 1/P'
+// of the vector fully reduced; the doubling phase retraces the steps and
+// swaps the finished parts. Each step is one exchange, both directions of a
+// pair at once: 2·log P·α + 2(P-1)/P·n·β + (P-1)/P·n·γ — the ring's
+// bandwidth with only logarithmic latency. When P is not a power of two,
+// ranks r < 2(P-P') pair up first: each odd one hands its vector to its even
+// neighbour (which reduces it in) and sits out until the end, when it gets
+// the result back — one extra n·(β[+γ]) on the critical path.
+// reduce(root) = fold, halving, every active rank sends its part to the
+// root; broadcast(root) = the root scatters the parts, doubling, unfold.
+Status Runner::Rhd() {
+  active_ = 1;
+  while (active_ * 2 <= size_) active_ *= 2;
+  extra_ = size_ - active_;
+  if (spec_.kind == CollectiveKind::kAllGather) return RhdAllGather();
+  const int r = rank_, root = spec_.root;
+  const int nr = NewRank(r);
+  const bool folded = r < 2 * extra_;
+  CollectiveKind kind = spec_.kind;
+  if (kind != CollectiveKind::kBroadcast && folded) {
+    if (nr < 0) {  // odd: hand over, then (maybe) wait for the result
+      TF_RDMA_RETURN_IF_ERROR(Send(r - 1, All(), src_));
+      if (kind == CollectiveKind::kAllReduce) return Recv(r - 1, All());
+      if (r != root) return Status::Ok();
+      for (int k = 0; k < active_; ++k) {
+        TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k)));
+      }
+      return Status::Ok();
+    }
+    TF_RDMA_RETURN_IF_ERROR(Flow({r + 1}, {}, All(), true, src_));
+  }
+  if (kind == CollectiveKind::kBroadcast) {
+    // Scatter from the root: every active rank gets the part it would own
+    // after halving.
+    if (r == root) {
+      for (int k = 0; k < active_; ++k) {
+        if (OldRank(k) != r) {
+          TF_RDMA_RETURN_IF_ERROR(Send(OldRank(k), RangeOf(k), buf_));
+        }
+      }
+    } else if (nr >= 0) {
+      TF_RDMA_RETURN_IF_ERROR(Recv(root, RangeOf(nr)));
+    }
+    if (nr < 0) {  // an odd folded rank: the root or waiting for the unfold
+      return r == root ? Status::Ok() : Recv(r - 1, All());
+    }
+  }
+  auto ranges = HalvingRanges(nr);
+  if (kind != CollectiveKind::kBroadcast) {
+    // The first step reads the input, unless the fold already wrote it all.
+    const uint8_t* local = folded ? buf_ : src_;
+    int step = 0;
+    for (int d = active_ / 2; d >= 1; d /= 2, ++step, local = buf_) {
+      auto whole = ranges[step], keep = ranges[step + 1];
+      uint64_t give_lo = keep.first == whole.first ? keep.second : whole.first;
+      uint64_t give_hi = keep.first == whole.first ? whole.second : keep.first;
+      int partner = OldRank(nr ^ d);
+      TF_RDMA_RETURN_IF_ERROR(Exchange(partner, Elements(give_lo, give_hi),
+                                       local, partner,
+                                       Elements(keep.first, keep.second),
+                                       local));
+    }
+  }
+  if (kind == CollectiveKind::kReduce) {
+    if (r != root) return Send(root, RangeOf(nr), buf_);
+    for (int k = 0; k < active_; ++k) {
+      if (k != nr) TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k)));
+    }
+    return Status::Ok();
+  }
+  int step = static_cast<int>(ranges.size()) - 2;
+  for (int d = 1; d < active_; d *= 2, --step) {
+    auto whole = ranges[step], own = ranges[step + 1];
+    uint64_t other_lo = own.first == whole.first ? own.second : whole.first;
+    uint64_t other_hi = own.first == whole.first ? whole.second : own.first;
+    int partner = OldRank(nr ^ d);
+    TF_RDMA_RETURN_IF_ERROR(Exchange(partner, Elements(own.first, own.second),
+                                     buf_, partner,
+                                     Elements(other_lo, other_hi), nullptr));
+  }
+  if (folded && !(kind == CollectiveKind::kBroadcast && r + 1 == root)) {
+    return Send(r + 1, All(), buf_);
+  }
+  return Status::Ok();
+}
+
+// rhd allgather: recursive doubling. After the fold (odd ranks hand their
+// piece to their even neighbour), new rank k holds the pieces of a
+// contiguous run of old ranks, and so does every aligned group of new ranks:
+// step d swaps the runs of the two groups of size d that make one of 2d.
+Status Runner::RhdAllGather() {
+  const int r = rank_;
+  const int nr = NewRank(r);
+  const bool folded = r < 2 * extra_;
+  if (folded && nr < 0) {
+    TF_RDMA_RETURN_IF_ERROR(Send(r - 1, Pieces(r, r + 1), buf_));
+    return Recv(r - 1, All());
+  }
+  if (folded) TF_RDMA_RETURN_IF_ERROR(Recv(r + 1, Pieces(r + 1, r + 2)));
+  // The old ranks of new rank k are [OldRank(k), end_old(k)).
+  auto first_old = [&](int k) { return OldRank(k); };
+  auto end_old = [&](int k) { return k < extra_ ? 2 * k + 2 : k + extra_ + 1; };
+  for (int d = 1; d < active_; d *= 2) {
+    int mine = nr - nr % d, theirs = (nr ^ d) - (nr ^ d) % d;
+    TF_RDMA_RETURN_IF_ERROR(Exchange(
+        OldRank(nr ^ d), Pieces(first_old(mine), end_old(mine + d - 1)), buf_,
+        OldRank(nr ^ d), Pieces(first_old(theirs), end_old(theirs + d - 1)),
+        nullptr));
+  }
+  if (folded) return Send(r + 1, All(), buf_);
+  return Status::Ok();
+}
+
+Status Runner::Run() {
+  if (size_ == 1 || All().length == 0) return Status::Ok();
+  switch (spec_.algorithm) {
+    case Algorithm::kLp: return Lp();
+    case Algorithm::kRing: return Ring();
+    case Algorithm::kTree: return Tree();
+    case Algorithm::kRhd: return Rhd();
+  }
+  return InvalidArgument("unknown algorithm");
+}
+
+}  // namespace
+
+Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
+                     uint8_t* buf, const ReduceFn& reduce) {
+  Engine* engine = Engine::Get();
+  if (!engine->started()) {
+    return FailedPrecondition(
+        spec.Describe() + ": the tf_rdma endpoint is not running in this "
+        "process; call tf_rdma.start_endpoint (or use RdmaStrategy) first");
+  }
+  TF_RDMA_RETURN_IF_ERROR(spec.Validate(engine->config().task));
+  InstanceState* state = GetInstance(spec.instance);
+  std::lock_guard<std::mutex> lock(state->mu);
+  if (!state->poisoned.empty()) {
+    return FailedPrecondition(spec.Describe() +
+                              " cannot run any more: an earlier call failed (" +
+                              state->poisoned + ")");
+  }
+  std::string hash = spec.Hash();
+  if (state->hash.empty()) {
+    state->hash = hash;
+    state->describe = spec.Describe();
+  } else if (state->hash != hash) {
+    return InvalidArgument(
+        "collective instance '" + spec.instance + "' was first used by " +
+        state->describe + " with another layout (hash " + state->hash +
+        "), now with hash " + hash +
+        "; give collectives of different shapes, dtypes or algorithms "
+        "different names");
+  }
+  Status s = Runner(spec, src, buf, reduce).Run();
+  if (!s.ok()) state->poisoned = s.message();
+  return s;
+}
+
+}  // namespace tf_rdma

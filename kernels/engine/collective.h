@@ -1,0 +1,87 @@
+// Collectives on the engine: allreduce, broadcast, reduce and allgather
+// among a group of tasks, by four algorithms (lp, ring, tree, rhd).
+//
+// The algorithms see only the engine's write/wait interface. Every transfer
+// between two ranks goes through a *channel*: one engine slot in the
+// receiver's memory, named after the collective instance and the two ranks,
+// with `depth` copies of one block. Sending block k is one step on the slot
+// (a one-sided write with its notice); receiving it is waiting for the notice
+// and reading the block where it landed (a reduction reads it there, no
+// staging copy); releasing it hands the copy back to the sender as a credit.
+// So a channel is a bounded FIFO of blocks with flow control for free, on
+// shm, tcp and (later) verbs alike, and both ends only have to agree on the
+// order and the sizes of the blocks, which follow from the schedule.
+//
+// A collective runs in place on one buffer of the caller's (the op's output),
+// on an engine thread, sequentially; waits are bounded by the timeout, and a
+// failure names the collective, its instance, the algorithm, the rank and the
+// peer. After a failure the instance is poisoned: its channels' step counters
+// can no longer be trusted, so later calls fail at once with the first error.
+#ifndef TF_RDMA_ENGINE_COLLECTIVE_H_
+#define TF_RDMA_ENGINE_COLLECTIVE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/engine/status.h"
+
+namespace tf_rdma {
+
+enum class CollectiveKind { kAllReduce, kBroadcast, kReduce, kAllGather };
+enum class Algorithm { kLp, kRing, kTree, kRhd };
+
+// The blocks of one channel, in flight at once, by default.
+constexpr int64_t kDefaultChannelDepth = 4;
+
+struct CollectiveSpec {
+  std::string instance;  // the call site's name; the same on every rank
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  Algorithm algorithm = Algorithm::kRing;
+  std::string reduction = "sum";   // for messages and the hash
+  std::string dtype;               // for messages and the hash
+  std::vector<std::string> group;  // tasks in rank order
+  int rank = 0;
+  int root = 0;
+  uint64_t count = 0;          // elements per rank (allgather: per piece)
+  uint64_t element_bytes = 1;
+  uint64_t block_bytes = 1 << 20;  // rounded down to whole elements
+  int64_t depth = kDefaultChannelDepth;
+  int64_t timeout_ms = -1;         // < 0: the engine's default
+
+  // Checks ranks, sizes and that group[rank] is this process's task.
+  Status Validate(const std::string& own_task) const;
+  // What every rank must agree on (the channels' plan hash): a rank that
+  // disagrees gets a plan hash mismatch naming both, not wrong data.
+  std::string Hash() const;
+  // "allreduce 'grads/bucket0' (ring, rank 0 of 2)".
+  std::string Describe() const;
+};
+
+const char* KindName(CollectiveKind kind);
+const char* AlgorithmName(Algorithm algorithm);
+bool ParseKind(const std::string& name, CollectiveKind* out);
+bool ParseAlgorithm(const std::string& name, Algorithm* out);
+
+// dst[i] = a[i] (op) b[i] for i < count elements; dst may be a.
+using ReduceFn = std::function<void(void* dst, const void* a, const void* b,
+                                    uint64_t count)>;
+
+// Runs the collective into `buf`: count * element_bytes bytes, or for
+// allgather group.size() pieces of that.
+//   allreduce, reduce: out of place — this rank's data is read from `src`
+//     (which may be `buf`: in place), and each range of `buf` is written
+//     before it is read, so `buf` needs no initial contents. For reduce only
+//     the root's `buf` holds the result afterwards.
+//   broadcast, allgather: in place — the root's data (allgather: this rank's
+//     piece) must already be in `buf`; `src` is not read.
+// Out of place saves a copy of the input: the first step that touches a
+// range reads the input where it is, then works in the buffer.
+// Blocks the calling thread; every wait is bounded.
+Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
+                     uint8_t* buf, const ReduceFn& reduce);
+
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_ENGINE_COLLECTIVE_H_

@@ -1,0 +1,320 @@
+"""Collectives (tf_rdma.collectives) between real processes, against numpy.
+
+Every algorithm x kind x dtype x size runs in P real processes (P = 2, 3, 4)
+over shared memory; each rank checks its own output against a numpy
+reference computed from every rank's input (the inputs are a deterministic
+function of rank, dtype and size, so every rank can compute all of them).
+
+Exactness and the stated bound: the matrix inputs are small integers
+(|x| <= 3, products of at most 4 of them), so sum, prod, min and max are
+exact in every dtype and in any order of evaluation, and the outputs must be
+bit-identical to numpy's. mean divides the exact sum by P: integers truncate
+toward zero (C++ division, stated in the API), floats must be within one
+rounding of the quotient (relative 2^-(mantissa bits)). A second sweep uses
+random non-integer floats, where the order of the additions matters; there
+the bound is the classic one for a sum of P terms:
+|y - ref| <= (P - 1) * eps * sum_i |x_i| (+ one rounding for mean).
+"""
+
+import pytest
+
+from conftest import make_cluster, run_tasks
+
+# The body every rank runs; MATRIX(P) is substituted.
+MATRIX = r"""
+import itertools
+start()
+from tf_rdma import collectives as C
+g = C.default_group()
+P, r = g.size, g.rank
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16",
+          "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "complex64", "complex128"]
+SIZES = [0, 1, 7, 4096 + 3, 1 << 18, 1 << 22]   # elements (float32: up to 16 MiB)
+ALGS = ["lp", "ring", "tree", "rhd"]
+KINDS = ["allreduce", "broadcast", "reduce", "allgather"]
+REDS = ["sum", "mean", "min", "max", "prod"]
+BIG_DTYPES = {"float32", "int32", "float16", "float64", "uint8"}
+
+def np_dtype(name):
+    if name == "bfloat16":
+        return tf.bfloat16.as_numpy_dtype
+    return np.dtype(name)
+
+def data(rank, dtype, n, seed=0):
+    rng = np.random.default_rng([rank, n, DTYPES.index(dtype), seed])
+    lo = 0 if dtype.startswith("uint") else -3
+    v = rng.integers(lo, 4, size=n)
+    if dtype.startswith("complex"):
+        v = v + 1j * rng.integers(-3, 4, size=n)
+    return v.astype(np.complex128 if dtype.startswith("complex") else np.float64)
+
+def reference(kind, red, dtype, n, root):
+    xs = [data(q, dtype, n) for q in range(P)]
+    if kind == "broadcast":
+        return xs[root]
+    if kind == "allgather":
+        return np.concatenate(xs)
+    if red in ("sum", "mean"):
+        v = sum(xs)
+    elif red == "prod":
+        v = np.prod(xs, axis=0)
+    elif red == "min":
+        v = np.min(xs, axis=0)
+    else:
+        v = np.max(xs, axis=0)
+    if red == "mean":
+        if dtype.startswith(("int", "uint")):
+            v = np.sign(v) * (np.abs(v) // P)
+        else:
+            v = v / P
+    if kind == "reduce" and r != root:
+        return xs[r]
+    return v
+
+def check(y, ref, dtype, red):
+    y = np.asarray(y)
+    if dtype in ("float16", "bfloat16", "float32", "float64") and red == "mean":
+        bits = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}[dtype]
+        return np.allclose(y.astype(np.float64), ref, rtol=2.0 ** -bits, atol=0)
+    if dtype.startswith("complex") and red == "mean":
+        return np.allclose(y.astype(np.complex128), ref, rtol=1e-6, atol=0)
+    return np.array_equal(y.astype(ref.dtype), ref)
+
+bad, count = [], 0
+for alg, kind, dtype, n in itertools.product(ALGS, KINDS, DTYPES, SIZES):
+    if n > 4099 and dtype not in BIG_DTYPES:
+        continue
+    if kind in ("allreduce", "reduce"):
+        reds = REDS if n == 7 else [REDS[(len(dtype) + n) % len(REDS)]]
+    else:
+        reds = ["sum"]
+    for red in reds:
+        if dtype.startswith("complex") and red in ("min", "max"):
+            continue
+        root = (n + len(dtype)) % P
+        x = tf.constant(data(r, dtype, n).astype(np_dtype(dtype)))
+        block = 4096 if n < (1 << 18) else 1 << 20
+        if kind == "allreduce":
+            y = C.all_reduce(x, reduction=red, algorithm=alg, block_bytes=block)
+        elif kind == "reduce":
+            y = C.reduce(x, root=root, reduction=red, algorithm=alg, block_bytes=block)
+        elif kind == "broadcast":
+            y = C.broadcast(x, root=root, algorithm=alg, block_bytes=block)
+        else:
+            y = C.all_gather(x, algorithm=alg, block_bytes=block)
+        count += 1
+        if not check(y.numpy(), reference(kind, red, dtype, n, root), dtype, red):
+            bad.append([alg, kind, dtype, n, red])
+
+# Random floats: rounding depends on the order; the stated bound holds.
+for alg in ALGS:
+    for dtype, eps in (("float32", 2.0 ** -24), ("float64", 2.0 ** -53)):
+        xs = [np.random.default_rng([q, 99]).standard_normal(10007) for q in range(P)]
+        y = C.all_reduce(tf.constant(xs[r].astype(dtype)), algorithm=alg,
+                         block_bytes=4096).numpy().astype(np.float64)
+        exact = sum(x.astype(dtype).astype(np.float64) for x in xs)
+        bound = (P - 1) * eps * sum(np.abs(x) for x in xs) + eps * np.abs(exact)
+        count += 1
+        if not np.all(np.abs(y - exact) <= bound):
+            bad.append([alg, "allreduce-random", dtype, 10007, "sum"])
+result({"bad": bad, "count": count})
+"""
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_every_algorithm_kind_dtype_and_size_matches_numpy(P):
+    out = run_tasks({f"/job:worker/task:{i}": MATRIX for i in range(P)},
+                    cluster=make_cluster(P), timeout=600)
+    for task, res in out.items():
+        assert res.result["count"] > 1000, task
+        assert res.result["bad"] == [], (task, res.result["bad"][:20])
+
+
+ODD_SIZES = r"""
+start()
+from tf_rdma import collectives as C
+g = C.default_group()
+P, r = g.size, g.rank
+bad = []
+for alg in ["lp", "ring", "tree", "rhd"]:
+    for n in [1, 5, 1000]:
+        x = np.arange(n, dtype=np.int64) * (r + 1)
+        y = C.all_reduce(tf.constant(x), algorithm=alg, block_bytes=64).numpy()
+        if not np.array_equal(y, np.arange(n) * sum(range(1, P + 1))):
+            bad.append(["allreduce", alg, n])
+        for root in range(P):
+            y = C.broadcast(tf.constant(x), root=root, algorithm=alg, block_bytes=64).numpy()
+            if not np.array_equal(y, np.arange(n) * (root + 1)):
+                bad.append(["broadcast", alg, n, root])
+            y = C.reduce(tf.constant(x), root=root, algorithm=alg, reduction="max",
+                         block_bytes=64).numpy()
+            want = np.arange(n) * P if r == root else x
+            if not np.array_equal(y, want):
+                bad.append(["reduce", alg, n, root])
+        y = C.all_gather(tf.constant(x.reshape(n, 1)), algorithm=alg, block_bytes=64).numpy()
+        if not np.array_equal(y[:, 0], np.concatenate([np.arange(n) * (q + 1) for q in range(P)])):
+            bad.append(["allgather", alg, n])
+result({"bad": bad})
+"""
+
+
+@pytest.mark.parametrize("P", [5, 6, 7])
+def test_group_sizes_that_are_not_powers_of_two_with_every_root(P):
+    """rhd's fold, the tree's uneven subtrees and every root, with tiny blocks."""
+    out = run_tasks({f"/job:worker/task:{i}": ODD_SIZES for i in range(P)},
+                    cluster=make_cluster(P), timeout=300)
+    for task, res in out.items():
+        assert res.result["bad"] == [], (task, res.result["bad"][:20])
+
+
+def test_buckets_in_tf_function_subgroups_and_auto():
+    program = r"""
+start()
+from tf_rdma import collectives as C
+g = C.default_group()
+r = g.rank
+shapes = [[3], [5, 7], [], [0], [1000]]
+
+@tf.function
+def step(scale):
+    ts = [tf.fill(s, scale * (r + 1)) for s in shapes]
+    return C.all_reduce(ts, reduction="mean", name="bucket0")
+
+outs = [step(tf.constant(float(k))) for k in (1, 2, 3)]
+# mean over ranks of k * (r + 1) = k * (1 + 2 + 3) / 3 = 2k, every element.
+ok = [all(bool(np.all(o.numpy() == 2.0 * k)) for o in out)
+      for k, out in zip((1, 2, 3), outs)]
+shapes_out = [list(o.shape) for o in outs[0]]
+# A subgroup of the first two tasks; the third runs nothing.
+pair = None
+if r < 2:
+    pair = C.all_reduce(tf.constant([r + 1.0]), group=C.Group(g.tasks[:2]),
+                        algorithm="auto").numpy().tolist()
+auto = C.all_reduce(tf.ones([300000]), algorithm="auto").numpy()
+result({"ok": ok, "shapes": shapes_out, "pair": pair,
+        "auto_ok": bool(np.all(auto == 3.0))})
+"""
+    out = run_tasks({f"/job:worker/task:{i}": program for i in range(3)},
+                    cluster=make_cluster(3), timeout=180)
+    for task, res in out.items():
+        got = res.result
+        assert got["shapes"] == [[3], [5, 7], [], [0], [1000]]
+        assert got["ok"] == [True, True, True], (task, got["ok"])
+        assert got["auto_ok"]
+        if task.endswith(("task:0", "task:1")):
+            assert got["pair"] == [3.0]
+
+
+def test_bad_arguments_raise_collective_error():
+    program = r"""
+start()
+from tf_rdma import collectives as C
+from tf_rdma.errors import CollectiveError
+errors = {}
+def attempt(label, fn):
+    try:
+        fn()
+        errors[label] = None
+    except CollectiveError as e:
+        errors[label] = str(e)
+attempt("mixed", lambda: C.all_reduce([tf.ones([2]), tf.ones([2], tf.int32)]))
+attempt("complex_max", lambda: C.all_reduce(tf.ones([2], tf.complex64), reduction="max"))
+attempt("root", lambda: C.broadcast(tf.ones([2]), root=5))
+attempt("algorithm", lambda: C.all_reduce(tf.ones([2]), algorithm="butterfly"))
+attempt("reduction", lambda: C.all_reduce(tf.ones([2]), reduction="median"))
+attempt("scalar_gather", lambda: C.all_gather(tf.ones([])))
+attempt("string", lambda: C.all_reduce(tf.constant(["a"])))
+attempt("block", lambda: C.all_reduce(tf.ones([2]), block_bytes=2))
+attempt("not_in_group", lambda: C.Group(["/job:worker/task:7"]))
+attempt("timeout", lambda: C.all_reduce(tf.ones([2]), timeout=-1))
+result(errors)
+"""
+    out = run_tasks({"/job:worker/task:0": program}, cluster=make_cluster(1),
+                    timeout=120)
+    errors = out["/job:worker/task:0"].result
+    expected = {"mixed": "float32 and int32", "complex_max": "complex64",
+                "root": "root 5", "algorithm": "butterfly",
+                "reduction": "median", "scalar_gather": "scalar",
+                "string": "string", "block": "block_bytes 2",
+                "not_in_group": "task:0", "timeout": "-1"}
+    for label, fragment in expected.items():
+        assert errors[label] is not None, f"{label}: no error"
+        assert fragment in errors[label], (label, errors[label])
+
+
+def test_a_killed_peer_fails_the_others_naming_collective_and_peer():
+    """Rank 1 is SIGKILLed in the middle of a long allreduce; rank 0 fails
+    within the timeout with an error naming the collective, its instance and
+    the peer, instead of hanging."""
+    victim = r"""
+import signal, threading
+start()
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([8]), name="warmup")
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+C.all_reduce(tf.ones([1 << 24]), algorithm="ring", block_bytes=4096,
+             name="grads/bucket3")
+"""
+    survivor = r"""
+start(timeout=20)
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([8]), name="warmup")
+t = time.monotonic()
+try:
+    C.all_reduce(tf.ones([1 << 24]), algorithm="ring", block_bytes=4096,
+                 name="grads/bucket3")
+    result({"error": None})
+except tf.errors.OpError as e:
+    result({"error": type(e).__name__, "message": e.message,
+            "seconds": time.monotonic() - t})
+"""
+    out = run_tasks({"/job:worker/task:0": survivor,
+                     "/job:worker/task:1": victim},
+                    cluster=make_cluster(2), timeout=120, check=False)
+    assert out["/job:worker/task:1"].returncode == -9
+    got = out["/job:worker/task:0"].result
+    assert got["error"] in ("UnavailableError", "DeadlineExceededError"), got
+    assert "allreduce 'grads/bucket3'" in got["message"], got
+    assert "/job:worker/task:1" in got["message"], got
+    assert got["seconds"] < 25, got
+
+
+def test_a_stalled_peer_times_out_and_a_mismatch_names_both_hashes():
+    rank0 = r"""
+start(timeout=3)
+from tf_rdma import collectives as C
+out = {}
+t = time.monotonic()
+try:
+    C.all_reduce(tf.ones([1000]), algorithm="ring", block_bytes=256, name="stalled")
+except tf.errors.DeadlineExceededError as e:
+    out["stalled"] = [e.message, time.monotonic() - t]
+try:
+    C.all_reduce(tf.ones([1000]), algorithm="ring", block_bytes=256, name="mismatch")
+except tf.errors.OpError as e:
+    out["mismatch"] = [type(e).__name__, e.message]
+touch("done")
+result(out)
+"""
+    rank1 = r"""
+start(timeout=3)
+from tf_rdma import collectives as C
+time.sleep(5)   # never joins "stalled"
+try:
+    C.all_reduce(tf.ones([1000]), algorithm="ring", block_bytes=512, name="mismatch")
+except tf.errors.OpError as e:
+    pass
+wait_file("done")
+"""
+    import tempfile
+    with tempfile.TemporaryDirectory() as sync:
+        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
+                        cluster=make_cluster(2), timeout=120,
+                        env={"TEST_SYNC_DIR": sync})
+    got = out["/job:worker/task:0"].result
+    message, seconds = got["stalled"]
+    assert "allreduce 'stalled'" in message and "/job:worker/task:1" in message
+    assert 2.5 < seconds < 10, seconds
+    kind, message = got["mismatch"]
+    assert "plan hash mismatch" in message or "hash" in message, got
