@@ -10,14 +10,14 @@ DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.tf_rdma-built
 SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: all install demo test bench system-packages clean help
+.PHONY: all install demo test bench bench-deps system-packages clean help
 
 all: install
 
 help:
 	@echo "make demo     set up and train the PS example through gRPC and through @tf_rdma.rewrite"
 	@echo "make test     set up and run the test suite"
-	@echo "make bench    run bench/p2p.py and write bench/results/p2p.json"
+	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
 	@echo "make install  set up .venv and build the op library"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
@@ -69,9 +69,23 @@ demo: install
 test: install
 	$(VPY) -m pytest -q
 
-bench: install
+# The collective benchmarks compare against Open MPI through mpi4py: installed
+# here (not for `make test`); bench/allreduce.py skips MPI with the reason if
+# they are missing.
+bench-deps: install
+	@if ! command -v mpirun >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev \
+	    || echo "Open MPI not installed: bench/allreduce.py will skip it"; \
+	fi
+	@$(VPY) -c "import mpi4py" 2>/dev/null || $(VPY) -m pip install -q mpi4py \
+	  || echo "mpi4py not installed: bench/allreduce.py will skip Open MPI"
+
+bench: bench-deps
 	mkdir -p bench/results
 	$(VPY) bench/p2p.py --json bench/results/p2p.json
+	$(VPY) bench/allreduce.py --json bench/results/allreduce.json
+	$(VPY) bench/train.py --json bench/results/train.json
 
 clean:
 	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_build_info.json $(BUILD_STAMP)

@@ -300,7 +300,9 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
             algorithm, chosen = cost.choose(kind, nbytes, group.size,
                                             model_params())
         else:
-            chosen = cost.block_size(nbytes, group.size, model_params())
+            # (as choose() does: an allgather moves P pieces down a chain)
+            whole = nbytes * (group.size if kind == "allgather" else 1)
+            chosen = cost.block_size(whole, group.size, model_params())
         if block_bytes is None:
             block_bytes = chosen
     if not isinstance(block_bytes, int) or block_bytes < dtype.size:
