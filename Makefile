@@ -75,7 +75,7 @@ test: install
 bench-deps: install
 	@if ! command -v mpirun >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev \
 	    || echo "Open MPI not installed: bench/allreduce.py will skip it"; \
 	fi
 	@$(VPY) -c "import mpi4py" 2>/dev/null || $(VPY) -m pip install -q mpi4py \

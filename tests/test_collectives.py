@@ -197,7 +197,7 @@ auto = C.all_reduce(tf.ones([300000]), algorithm="auto").numpy()
 params = C.calibrate(probe_bytes=1 << 16, repeats=2)
 result({"ok": ok, "shapes": shapes_out, "pair": pair,
         "auto_ok": bool(np.all(auto == 3.0)),
-        "params": [params.alpha, params.beta, params.gamma]})
+        "params": [params.alpha, params.beta, params.gamma, params.delta]})
 """
     out = run_tasks({f"/job:worker/task:{i}": program for i in range(3)},
                     cluster=make_cluster(3), timeout=180)

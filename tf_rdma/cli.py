@@ -61,6 +61,26 @@ def _add_inspect(subparsers):
     parser.set_defaults(func=run)
 
 
+def _add_simulate(subparsers):
+    from tf_rdma.collectives import simulate
+
+    parser = subparsers.add_parser(
+        "simulate",
+        help="simulate the collectives (lp, ring, tree, rhd) under the "
+             "alpha-beta-gamma cost model",
+        usage=simulate._USAGE,
+        description=simulate._DESCRIPTION,
+        epilog=simulate._EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    simulate.add_arguments(parser)
+
+    def run(args):
+        return simulate.run(args, parser)
+
+    parser.set_defaults(func=run)
+
+
 def build_parser():
     """Returns the ``tf-rdma`` argument parser with every subcommand.
 
@@ -78,6 +98,7 @@ def build_parser():
     subparsers.required = True
     _add_launch(subparsers)
     _add_inspect(subparsers)
+    _add_simulate(subparsers)
     return parser
 
 

@@ -158,14 +158,15 @@ def model_params():
 
 
 def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
-    """Measures α, β and γ for this group and makes every rank use rank 0's.
+    """Measures α, β, γ and δ for this group and makes every rank use rank 0's.
 
-    α is half the round trip of a one-element broadcast pair between rank 0
-    and rank 1, β the per-byte time of a ``probe_bytes`` broadcast between
-    them, γ the per-byte time of a local reduction (numpy add); rank 0
-    measures, then broadcasts the three numbers, so that "auto" makes the
-    same choice on every rank. Call it on every rank, after the endpoint
-    started. With one rank it only measures γ.
+    α is the time of a one-element broadcast between rank 0 and rank 1; a
+    ``probe_bytes`` broadcast between them (one block) costs α + n·(β + δ);
+    γ is the per-byte time of a local reduction (numpy add) and δ that of a
+    local copy (what a receiver pays to copy a block out of its channel), so
+    β = bandwidth term − δ. Rank 0's numbers are broadcast so that "auto"
+    makes the same choice on every rank. Call it on every rank, after the
+    endpoint started. With one rank it measures only γ and δ.
 
     Returns:
         The :class:`tf_rdma.collectives.cost.Params` now in use.
@@ -184,6 +185,10 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
     for _ in range(repeats):
         np.add(a, b, out=a)
     gamma = (time.perf_counter() - start) / repeats / a.nbytes
+    start = time.perf_counter()
+    for _ in range(repeats):
+        np.copyto(b, a)
+    delta = (time.perf_counter() - start) / repeats / a.nbytes
     alpha, beta = cost.DEFAULT_PARAMS.alpha, cost.DEFAULT_PARAMS.beta
     if group.size > 1:
         pair = Group(group.tasks[:2], rank=min(group.rank, 1)) \
@@ -203,15 +208,16 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
                         times.setdefault(label, []).append(
                             time.perf_counter() - begin)
             alpha = max(1e-7, float(np.median(times["small"])))
-            beta = max(1e-13, (float(np.median(times["large"])) - alpha)
-                       / probe_bytes)
-    measured = tf.constant([alpha, beta, gamma], tf.float64)
+            per_byte = max(1e-13, (float(np.median(times["large"])) - alpha)
+                           / probe_bytes)
+            beta = max(per_byte - delta, 0.1 * per_byte)
+    measured = tf.constant([alpha, beta, gamma, delta], tf.float64)
     agreed = broadcast(measured, root=0, group=group, algorithm="tree",
                        block_bytes=64, name="calibrate/params",
                        timeout=timeout).numpy()
     with _params_lock:
         _params = cost.Params(alpha=float(agreed[0]), beta=float(agreed[1]),
-                              gamma=float(agreed[2]))
+                              gamma=float(agreed[2]), delta=float(agreed[3]))
     return _params
 
 

@@ -1,0 +1,62 @@
+"""The cost model against this machine: predicted order vs measured order.
+
+Two real processes calibrate the model (tf_rdma.collectives.calibrate: rank
+0 measures α, β, γ, δ; both use its numbers), then time every algorithm at
+64 MiB for allreduce and broadcast, and the simulator predicts the same
+runs. Tolerance: a pair of algorithms whose predicted times are within 25%
+of each other counts as a tie and may come out in either order (timing on a
+shared 2-vCPU machine varies by that much); for every other pair the
+measured order must be the predicted one, with 10% slack on the measurement.
+"""
+
+import itertools
+
+from conftest import make_cluster, run_tasks
+
+PROGRAM = r"""
+start()
+from tf_rdma import collectives as C
+params = C.calibrate()
+x = tf.Variable(tf.ones([16 << 20]))    # 64 MiB of float32
+times = {}
+for kind in ("allreduce", "broadcast"):
+    for alg in C.ALGORITHMS:
+        @tf.function
+        def run():
+            if kind == "allreduce":
+                return C.all_reduce(x.read_value(), algorithm=alg, name=kind + alg)
+            return C.broadcast(x.read_value(), algorithm=alg, name=kind + alg)
+        samples = []
+        for i in range(7):
+            C.all_reduce(tf.ones([1]), algorithm="tree", name="barrier")
+            t = time.perf_counter()
+            run()
+            if i >= 2:
+                samples.append(time.perf_counter() - t)
+        times[kind + "/" + alg] = float(np.median(samples))
+result({"times": times, "params": [params.alpha, params.beta, params.gamma,
+                                   params.delta]})
+"""
+
+
+def test_predicted_order_of_algorithms_matches_measured_at_64mib():
+    from tf_rdma.collectives import cost, simulate
+
+    out = run_tasks({f"/job:worker/task:{i}": PROGRAM for i in range(2)},
+                    cluster=make_cluster(2), timeout=600)
+    got = out["/job:worker/task:0"].result
+    alpha, beta, gamma, delta = got["params"]
+    params = cost.Params(alpha=alpha, beta=beta, gamma=gamma, delta=delta)
+    checked = []
+    for kind in ("allreduce", "broadcast"):
+        predicted = simulate.predicted_times(kind, 64 << 20, 2, params)
+        measured = {a: got["times"][f"{kind}/{a}"] for a in predicted}
+        for a, b in itertools.permutations(predicted, 2):
+            if predicted[a] * 1.25 < predicted[b]:
+                checked.append((kind, a, b))
+                assert measured[a] < measured[b] * 1.10, (
+                    f"{kind}: the model predicts {a} ({predicted[a] * 1e3:.1f} ms)"
+                    f" faster than {b} ({predicted[b] * 1e3:.1f} ms), measured "
+                    f"{measured[a] * 1e3:.1f} vs {measured[b] * 1e3:.1f} ms "
+                    f"(params {params})")
+    print("pairs checked:", checked, "measured:", got["times"])
