@@ -15,7 +15,7 @@ SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h'
 all: install
 
 help:
-	@echo "make demo     set up and train the PS example through gRPC and through @tf_rdma.rewrite"
+	@echo "make demo     set up, train the PS example (gRPC vs @tf_rdma.rewrite), then Keras on 2 workers (RdmaStrategy vs MWMS)"
 	@echo "make test     set up and run the test suite"
 	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
 	@echo "make install  set up .venv and build the op library"
@@ -62,9 +62,11 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 install: system-packages $(BUILD_STAMP)
 
 # The parameter-server example, trained through gRPC and through
-# @tf_rdma.rewrite side by side: same losses, step times, speedup, plan.
+# @tf_rdma.rewrite side by side: same losses, step times, speedup, plan; then
+# Keras fit on 2 workers with RdmaStrategy against MultiWorkerMirroredStrategy.
 demo: install
 	$(VENV)/bin/tf-rdma launch -n 1 --ps 1 -- $(VPY) examples/ps_training.py
+	$(VPY) examples/keras_digits.py --workers 2
 
 test: install
 	$(VPY) -m pytest -q

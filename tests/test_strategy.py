@@ -1,0 +1,434 @@
+"""tf_rdma.distribute.RdmaStrategy in real worker processes.
+
+Process start-ups cost seconds each (TensorFlow's import), so one launch
+covers several checks:
+
+- `test_two_workers_match_one_and_mwms`: the same program runs as two
+  RdmaStrategy workers, as one RdmaStrategy process without a cluster, and as
+  two MultiWorkerMirroredStrategy workers (each with its TensorFlow gRPC
+  server), all at once. Each Keras-fits the same MLP on scikit-learn's digits
+  (same global batches, no shuffling), evaluates it and reports its weights.
+  The two RdmaStrategy workers start from different random seeds, so equal
+  weights also show that the chief's initial values were broadcast. The
+  RdmaStrategy workers and the single process then run a custom loop
+  (`strategy.run` + `strategy.reduce`) on `experimental_distribute_dataset`,
+  check `distribute_datasets_from_function`'s sharding, check in the traced
+  step that the first gradient bucket's all-reduce does not wait for the
+  last bucket's gradients, and write (chief) and read (all) a checkpoint.
+- `test_checkpoint_from_two_workers_restores_in_one`: one plain Keras
+  process restores that checkpoint and evaluates it.
+- `test_killed_worker_fails_fast`: one worker dies (SIGKILL) while the other
+  is in a bucket's all-reduce; the survivor fails within TF_RDMA_TIMEOUT with
+  an error that names the collective, the bucket and the dead peer.
+
+Tolerances: the two RdmaStrategy workers end with bit-identical weights (every
+rank gets the same all-reduce result). Against one process and against
+MultiWorkerMirroredStrategy the weights must agree within atol 1e-5 + rtol
+1e-4: the gradient of a 64-sample mean computed as two 32-sample halves
+rounds differently from one computed at once, and 60 SGD steps carry that
+along. Measured (TF 2.21, x86-64): at most 2.7e-7 from one process, and
+bit-identical to MultiWorkerMirroredStrategy.
+"""
+
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import collect, make_cluster, run_tasks, spawn_task
+
+pytestmark = pytest.mark.timeout(240)
+
+RTOL, ATOL = 1e-4, 1e-5
+#: Test accuracy the Keras fit must reach (it reaches about 0.93).
+MIN_ACCURACY = 0.9
+EPOCHS = 3
+GLOBAL_BATCH = 64
+N_TRAIN = 1280  # 20 global batches: no partial batch in training
+
+COMMON = """
+import keras
+from sklearn.datasets import load_digits
+MODE = os.environ["MODE"]
+x, y = load_digits(return_X_y=True)
+x = (x / 16.0).astype("float32"); y = y.astype("int64")
+order = np.random.RandomState(0).permutation(len(x))  # the same everywhere
+x, y = x[order], y[order]
+N = %(n_train)d
+GB = %(gb)d
+x_train, y_train, x_test, y_test = x[:N], y[:N], x[N:], y[N:]
+index = int(task.rsplit(":", 1)[1])
+
+def make_model():
+    return keras.Sequential([keras.Input((64,)),
+                             keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(10)])
+
+def compile_model(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"])
+""" % {"n_train": N_TRAIN, "gb": GLOBAL_BATCH}
+
+TRAIN = COMMON + """
+if MODE == "single":
+    os.environ.pop("TF_CONFIG", None)
+else:
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": index}})
+if MODE == "mwms":
+    from tf_rdma import _tf_private
+    # Keras 3.15's fit does not run under multi-worker MWMS as is (see
+    # patch_mwms_for_keras_fit).
+    strategy = _tf_private.patch_mwms_for_keras_fit(
+        tf.distribute.MultiWorkerMirroredStrategy())
+    rank = strategy.cluster_resolver.task_id
+else:
+    import tf_rdma.distribute
+    # Small buckets: the MLP's 4 gradients (9.4 KiB) make 2 buckets.
+    strategy = tf_rdma.distribute.RdmaStrategy(bucket_bytes=4096)
+    rank = strategy.worker_index
+out = {"replicas": strategy.num_replicas_in_sync}
+
+# 1. Keras fit + evaluate. Different seeds per worker: the chief's initial
+# weights must win.
+keras.utils.set_random_seed(1 + rank)
+with strategy.scope():
+    model = make_model()
+    compile_model(model)
+hist = model.fit(x_train, y_train, batch_size=GB, epochs=%(epochs)d,
+                 shuffle=False, verbose=0)
+out["history"] = hist.history
+out["eval"] = model.evaluate(x_test, y_test, batch_size=GB, verbose=0,
+                             return_dict=True)
+out["weights"] = [w.numpy().tolist() for w in model.trainable_weights]
+
+if MODE == "mwms":
+    result(out)
+    sys.exit(0)
+
+# 2. Custom loop: strategy.run + strategy.reduce on a distributed dataset.
+keras.utils.set_random_seed(7)
+with strategy.scope():
+    model2 = make_model()
+    opt2 = keras.optimizers.SGD(0.1)
+ids = np.arange(N, dtype=np.int64)
+ds = tf.data.Dataset.from_tensor_slices((x_train, y_train, ids)).batch(GB)
+dist = strategy.experimental_distribute_dataset(ds)
+
+@tf.function
+def step(batch):
+    def replica_fn(xb, yb, ib):
+        with tf.GradientTape() as tape:
+            per_sample = keras.losses.sparse_categorical_crossentropy(
+                yb, model2(xb, training=True), from_logits=True)
+            loss = tf.nn.compute_average_loss(per_sample,
+                                              global_batch_size=GB)
+        grads = tape.gradient(loss, model2.trainable_variables)
+        opt2.apply_gradients(zip(grads, model2.trainable_variables))
+        return loss, ib
+    loss, ib = strategy.run(replica_fn, args=batch)
+    return strategy.reduce("SUM", loss, axis=None), ib
+
+losses, first_ids = [], None
+for i, batch in enumerate(dist):
+    if i == 10:
+        break
+    loss, ib = step(batch)
+    losses.append(float(loss))
+    if first_ids is None:
+        first_ids = [int(v) for v in strategy.experimental_local_results(ib)[0]]
+        # strategy.gather: every replica's ids, in replica order.
+        out["gathered_ids"] = [int(v) for v in strategy.gather(ib, axis=0)]
+out["loop_losses"] = losses
+out["loop_first_ids"] = first_ids
+out["loop_weights"] = [w.numpy().tolist() for w in model2.trainable_weights]
+
+# The traced step: which collectives, and what the first bucket waits for.
+graph = step.get_concrete_function(dist.element_spec).graph
+colls = {op.get_attr("instance").decode(): op for op in graph.get_operations()
+         if op.type == "TfRdmaCollective"}
+out["collectives"] = sorted(colls)
+buckets = sorted((k for k in colls if ".bucket" in k),
+                 key=lambda k: int(k.rsplit("bucket", 1)[1]))
+if len(buckets) >= 2:
+    def ancestors(op):
+        seen, todo = set(), [op]
+        while todo:
+            o = todo.pop()
+            for p in [t.op for t in o.inputs] + list(o.control_inputs):
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return seen
+    first_deps = ancestors(colls[buckets[0]])
+    last_inputs = {t.op for t in colls[buckets[-1]].inputs}
+    out["first_bucket_waits_for_last_grads"] = bool(first_deps & last_inputs)
+    out["bucket_inputs"] = [len(colls[b].inputs) for b in buckets]
+
+# 3. distribute_datasets_from_function: the InputContext shards by worker.
+def dataset_fn(ctx):
+    return (tf.data.Dataset.from_tensor_slices(ids)
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(ctx.get_per_replica_batch_size(GB)))
+first = next(iter(strategy.distribute_datasets_from_function(dataset_fn)))
+out["fn_first_ids"] = [int(v) for v in
+                       strategy.experimental_local_results(first)[0]]
+
+# 4. Checkpoint: the chief writes, a collective orders it before every read.
+ckpt = tf.train.Checkpoint(model=model)
+prefix = os.path.join(os.environ["CKPT_DIR"], MODE, "digits")
+out["should_checkpoint"] = bool(strategy.extended.should_checkpoint)
+if strategy.extended.should_checkpoint:
+    ckpt.write(prefix)
+strategy.reduce("SUM", tf.constant(1.0), axis=None)  # barrier
+before = [w.numpy() for w in model.trainable_weights]
+for w in model.trainable_weights:
+    w.assign(tf.zeros_like(w))
+ckpt.read(prefix).assert_consumed()
+out["restored_equal"] = all(np.array_equal(a, w.numpy()) for a, w in
+                            zip(before, model.trainable_weights))
+out["plans"] = [p.to_json() for p in strategy.bucket_plans]
+result(out)
+""" % {"epochs": EPOCHS}
+
+RESTORE = COMMON + """
+os.environ.pop("TF_CONFIG", None)
+model = make_model()
+compile_model(model)
+# The model's weights; the optimizer's slots stay in the checkpoint.
+tf.train.Checkpoint(model=model).read(
+    os.path.join(os.environ["CKPT_DIR"], "rdma", "digits")
+).assert_existing_objects_matched()
+result({"weights": [w.numpy().tolist() for w in model.trainable_weights],
+        "eval": model.evaluate(x_test, y_test, batch_size=GLOBAL_BATCH,
+                               verbose=0, return_dict=True)})
+""".replace("GLOBAL_BATCH", str(GLOBAL_BATCH))
+
+KILL = COMMON + """
+import signal
+import tf_rdma.distribute
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(cluster), task_type="worker", task_id=index)
+strategy = tf_rdma.distribute.RdmaStrategy(cluster_resolver=resolver,
+                                           bucket_bytes=4096)
+with strategy.scope():
+    model = make_model()
+    opt = keras.optimizers.SGD(0.1)
+half = GB // 2
+xs = x_train[index * half:(index + 1) * half]
+ys = y_train[index * half:(index + 1) * half]
+
+@tf.function
+def step(xb, yb):
+    def replica_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                keras.losses.sparse_categorical_crossentropy(
+                    yb, model(xb, training=True), from_logits=True),
+                global_batch_size=GB)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return strategy.run(replica_fn, args=(xb, yb))
+
+step(xs, ys)
+if index == 1:
+    time.sleep(1.0)  # worker:0 is waiting in step 2's first bucket by now
+    os.kill(os.getpid(), signal.SIGKILL)
+t0 = time.monotonic()
+try:
+    step(xs, ys)
+    result({"error": None})
+except tf.errors.OpError as e:
+    result({"error": type(e).__name__, "message": e.message,
+            "elapsed_s": time.monotonic() - t0})
+"""
+
+
+def _flat(weights):
+    return np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Runs the 2 RdmaStrategy workers, 1 process and 2 MWMS workers at once."""
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    env = {"CKPT_DIR": ckpt_dir}
+    procs = {}
+    rdma = make_cluster(2)
+    mwms = make_cluster(2)
+    for i in range(2):
+        procs[f"rdma:{i}"] = spawn_task(f"worker:{i}", TRAIN, rdma,
+                                        dict(env, MODE="rdma"))
+        procs[f"mwms:{i}"] = spawn_task(f"worker:{i}", TRAIN, mwms,
+                                        dict(env, MODE="mwms"))
+    procs["single"] = spawn_task("worker:0", TRAIN, make_cluster(1),
+                                 dict(env, MODE="single"))
+    out = collect(procs, timeout=200)
+    bad = [r for r in out.values() if r.returncode != 0]
+    if bad:
+        pytest.fail("task failed\n" + "\n".join(r.describe() for r in bad))
+    return {k: r.result for k, r in out.items()}, ckpt_dir
+
+
+def test_two_workers_match_one_and_mwms(trained):
+    res, _ = trained
+    r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
+    assert r0["replicas"] == r1["replicas"] == 2 and single["replicas"] == 1
+    # The workers stay identical (and started identical: different seeds).
+    assert r0["weights"] == r1["weights"]
+    w = _flat(r0["weights"])
+    np.testing.assert_allclose(w, _flat(single["weights"]), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(w, _flat(res["mwms:0"]["weights"]), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(r0["history"]["loss"],
+                               single["history"]["loss"], rtol=1e-4)
+    # Keras reports global metrics on every worker, and the model learns.
+    assert r0["eval"] == r1["eval"]
+    np.testing.assert_allclose(r0["eval"]["accuracy"],
+                               single["eval"]["accuracy"], atol=1e-6)
+    assert r0["eval"]["accuracy"] >= MIN_ACCURACY, r0["eval"]
+
+
+def test_custom_loop_run_and_reduce(trained):
+    res, _ = trained
+    r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
+    # strategy.reduce(SUM) over workers of losses scaled by the global batch
+    # is the global batch's mean loss, as one process computes it.
+    assert r0["loop_losses"] == r1["loop_losses"]
+    np.testing.assert_allclose(r0["loop_losses"], single["loop_losses"],
+                               rtol=RTOL, atol=ATOL)
+    assert r0["loop_weights"] == r1["loop_weights"]
+    np.testing.assert_allclose(_flat(r0["loop_weights"]),
+                               _flat(single["loop_weights"]), rtol=RTOL,
+                               atol=ATOL)
+
+
+def test_datasets_are_sharded_by_worker(trained):
+    res, _ = trained
+    r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
+    half = GLOBAL_BATCH // 2
+    # experimental_distribute_dataset: each worker gets half of each global
+    # batch, together exactly the global batch.
+    assert len(r0["loop_first_ids"]) == len(r1["loop_first_ids"]) == half
+    assert sorted(r0["loop_first_ids"] + r1["loop_first_ids"]) == list(
+        range(GLOBAL_BATCH))
+    assert single["loop_first_ids"] == list(range(GLOBAL_BATCH))
+    # strategy.gather across workers, in replica (= rank) order.
+    assert r0["gathered_ids"] == r1["gathered_ids"] == (
+        r0["loop_first_ids"] + r1["loop_first_ids"])
+    assert single["gathered_ids"] == list(range(GLOBAL_BATCH))
+    # distribute_datasets_from_function: the InputContext's shard and
+    # per-replica batch size.
+    assert r0["fn_first_ids"] == list(range(0, GLOBAL_BATCH, 2))
+    assert r1["fn_first_ids"] == list(range(1, GLOBAL_BATCH, 2))
+    assert single["fn_first_ids"] == list(range(GLOBAL_BATCH))
+
+
+def test_gradients_go_in_static_buckets(trained):
+    res, _ = trained
+    r0, r1 = res["rdma:0"], res["rdma:1"]
+    from tf_rdma.graph_passes.buckets import BucketPlan
+    plans = [BucketPlan.from_json(p) for p in r0["plans"]]
+    assert plans and [p.to_json() for p in plans] == r1["plans"]
+    # The MLP's gradients: [10], [32, 10], [32] in bucket 0 (4 KiB),
+    # the [64, 32] kernel alone in bucket 1.
+    plan = next(p for p in plans if len(p.gradients) == 4)
+    assert [len(b.indices) for b in plan.buckets] == [3, 1]
+    step_buckets = [n for n in r0["collectives"] if ".bucket" in n]
+    assert len(step_buckets) == 2, r0["collectives"]
+    assert r0["bucket_inputs"] == [3, 1]
+    # Bucket 0's all-reduce does not wait for bucket 1's gradient.
+    assert r0["first_bucket_waits_for_last_grads"] is False
+
+
+def test_checkpoint_from_two_workers_restores_in_one(trained):
+    res, ckpt_dir = trained
+    r0, r1 = res["rdma:0"], res["rdma:1"]
+    assert r0["should_checkpoint"] is True and r1["should_checkpoint"] is False
+    assert r0["restored_equal"] and r1["restored_equal"]
+    out = run_tasks({"worker:0": RESTORE},
+                    env={"MODE": "restore", "CKPT_DIR": ckpt_dir}, timeout=60)
+    restored = out["worker:0"].result
+    assert restored["weights"] == r0["weights"]
+    # Evaluated alone on the whole test set: the same accuracy as the two
+    # workers' evaluate (each on half of it, metrics summed over workers).
+    np.testing.assert_allclose(restored["eval"]["accuracy"],
+                               r0["eval"]["accuracy"], atol=1e-6)
+
+
+def test_killed_worker_fails_fast():
+    out = run_tasks({"worker:0": KILL, "worker:1": KILL},
+                    env={"MODE": "kill", "TF_RDMA_TIMEOUT": "5"}, timeout=90,
+                    check=False)
+    dead, survivor = out["worker:1"], out["worker:0"]
+    assert dead.returncode == -signal.SIGKILL, dead.describe()
+    assert survivor.returncode == 0, survivor.describe()
+    err = survivor.result
+    # Inside a tf.function TensorFlow turns an UnavailableError of an op it
+    # does not know as a communication op into an InternalError that quotes
+    # it.
+    assert err["error"] in ("UnavailableError", "DeadlineExceededError",
+                            "InternalError"), err
+    assert err["elapsed_s"] < 5 + 5, err
+    for part in ("allreduce", ".bucket0", "/job:worker/task:1"):
+        assert part in err["message"], (part, err)
+
+
+# ---------------------------------------------------------------------------
+# In this process: the cluster a strategy sees, and the errors it raises
+# before it starts anything.
+
+
+def _resolver(cluster, task_type, task_id):
+    import tensorflow as tf
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+
+
+def test_resolve_cluster_orders_chief_then_workers():
+    from tf_rdma.distribute import resolve_cluster
+    cluster = {"worker": ["h1:1", "h2:1"], "chief": ["h0:1"], "ps": ["h3:1"]}
+    got, task, tasks = resolve_cluster(_resolver(cluster, "worker", 1))
+    assert got == {"chief": ["h0:1"], "worker": ["h1:1", "h2:1"]}
+    assert task == "/job:worker/task:1"
+    assert tasks == ("/job:chief/task:0", "/job:worker/task:0",
+                     "/job:worker/task:1")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(algorithm="fast"), "algorithm 'fast' is not one of auto, lp"),
+    (dict(bucket_bytes=0), "bucket_bytes must be a positive int.*got 0"),
+    (dict(bucket_bytes=2.5), "bucket_bytes must be a positive int.*got 2.5"),
+    (dict(timeout=-1), "timeout must be a positive number.*got -1"),
+    (dict(cluster_resolver=("no task",)), "names no task for this process"),
+    (dict(cluster_resolver=("ps", 0)), "task 'ps' 0, which does not train"),
+    (dict(cluster_resolver=("worker", 5)),
+     "task index 5 is not in job 'worker', which has 2 tasks"),
+])
+def test_config_errors_name_the_value(kwargs, match):
+    from tf_rdma.distribute import RdmaStrategy
+    from tf_rdma.errors import ConfigError
+    spec = kwargs.get("cluster_resolver")
+    if spec is not None:
+        cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"],
+                   "ps": ["127.0.0.1:3"]}
+        kwargs = dict(cluster_resolver=_resolver(
+            cluster, *(spec if len(spec) == 2 else (None, None))))
+    with pytest.raises(ConfigError, match=match):
+        RdmaStrategy(**kwargs)
+
+
+def test_one_worker_without_cluster(monkeypatch):
+    import tensorflow as tf
+    from tf_rdma.distribute import RdmaStrategy
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = RdmaStrategy()
+    assert (strategy.task, strategy.num_workers, strategy.worker_index,
+            strategy.num_replicas_in_sync) == (None, 1, 0, 1)
+    assert strategy.is_chief and strategy.extended.should_checkpoint
+    assert float(strategy.reduce("SUM", tf.constant(2.0), axis=None)) == 2.0
+    assert "workers=1" in repr(strategy)
