@@ -425,6 +425,11 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
       secret: The job secret; default ``TF_RDMA_SECRET``.
       transport: ``"auto"``, ``"shm"`` or ``"tcp"``; default
         ``TF_RDMA_TRANSPORT``.
+      calibrate: With ``algorithm="auto"`` and several workers, measure the
+        cost model's α, β, γ, δ at start-up (``tf_rdma.collectives.calibrate``:
+        short probes between the first two workers, rank 0's numbers used
+        by all, well under a second) so that "auto" chooses for this
+        machine; False uses the model's defaults.
 
     Raises:
       ConfigError: An argument or the cluster is invalid (the message names
@@ -435,7 +440,8 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, algorithm="auto", bucket_bytes=DEFAULT_BUCKET_BYTES,
                  cluster_resolver=None, devices=None, timeout=None,
-                 block_bytes=None, depth=None, secret=None, transport=None):
+                 block_bytes=None, depth=None, secret=None, transport=None,
+                 calibrate=True):
         _check_algorithm(algorithm)
         _check_bucket_bytes(bucket_bytes)
         _check_timeout(timeout)
@@ -452,6 +458,8 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
                 timeout=timeout)
             if len(tasks) > 1:
                 group = collectives.Group(tasks, rank=tasks.index(task))
+                if calibrate and algorithm == "auto":
+                    collectives.calibrate(group, timeout=timeout)
         else:
             self._rdma_endpoint = None
         self._rdma_group = group
