@@ -251,34 +251,40 @@ result(errors)
 
 
 def test_a_killed_peer_fails_the_others_naming_collective_and_peer():
-    """Rank 1 is SIGKILLed in the middle of a long allreduce; rank 0 fails
-    within the timeout with an error naming the collective, its instance and
-    the peer, instead of hanging."""
+    """Rank 1 is SIGKILLed 0.2 s into a long allreduce (128 MiB in 1 KiB
+    blocks: 130k blocks a phase, seconds on this machine) that rank 0 is
+    already in; rank 0 fails at once with an error naming the collective, its
+    instance and the peer, instead of hanging."""
     victim = r"""
 import signal, threading
 start()
 from tf_rdma import collectives as C
 C.all_reduce(tf.ones([8]), name="warmup")
-threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-C.all_reduce(tf.ones([1 << 24]), algorithm="ring", block_bytes=4096,
-             name="grads/bucket3")
+big = tf.ones([1 << 25])
+wait_file("survivor-in")
+threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+C.all_reduce(big, algorithm="ring", block_bytes=1024, name="grads/bucket3")
 """
     survivor = r"""
 start(timeout=20)
 from tf_rdma import collectives as C
 C.all_reduce(tf.ones([8]), name="warmup")
+big = tf.ones([1 << 25])
+touch("survivor-in")
 t = time.monotonic()
 try:
-    C.all_reduce(tf.ones([1 << 24]), algorithm="ring", block_bytes=4096,
-                 name="grads/bucket3")
+    C.all_reduce(big, algorithm="ring", block_bytes=1024, name="grads/bucket3")
     result({"error": None})
 except tf.errors.OpError as e:
     result({"error": type(e).__name__, "message": e.message,
             "seconds": time.monotonic() - t})
 """
-    out = run_tasks({"/job:worker/task:0": survivor,
-                     "/job:worker/task:1": victim},
-                    cluster=make_cluster(2), timeout=120, check=False)
+    import tempfile
+    with tempfile.TemporaryDirectory() as sync:
+        out = run_tasks({"/job:worker/task:0": survivor,
+                         "/job:worker/task:1": victim},
+                        cluster=make_cluster(2), timeout=120, check=False,
+                        env={"TEST_SYNC_DIR": sync})
     assert out["/job:worker/task:1"].returncode == -9
     got = out["/job:worker/task:0"].result
     assert got["error"] in ("UnavailableError", "DeadlineExceededError"), got
