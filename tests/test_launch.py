@@ -237,6 +237,33 @@ LAUNCHES = {
         ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", "/nonexistent/tf-rdma-test-command", "x"],
         None,
     ),
+    # --spmd: the command itself, once per worker, each with its own task;
+    # the copies meet through tf_rdma and allreduce their ranks + 1.
+    "spmd": (
+        ["--spmd", "-n", "2", "--", *python("""
+            import json, os
+            import tensorflow as tf
+            import tf_rdma
+            from tf_rdma import cluster, collectives
+            config = json.loads(os.environ["TF_CONFIG"])
+            task = cluster.canonical_task(config["task"]["type"], config["task"]["index"])
+            tf_rdma.start_endpoint(task, config["cluster"])
+            group = collectives.default_group()
+            total = collectives.all_reduce(tf.constant([group.rank + 1.0]))
+            print(f"SPMD {task} {float(total[0])} {os.environ['TF_RDMA_SECRET'] != ''}", flush=True)
+        """)],
+        None,
+    ),
+    # --spmd: task 1 fails at once, task 0 would sleep for 300 s.
+    "spmd_fails": (
+        ["--spmd", "-n", "2", "--", *python("""
+            import json, os, sys, time
+            if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+                sys.exit(5)
+            time.sleep(300)
+        """)],
+        None,
+    ),
     # The real server refuses the setting (ConfigError) and exits before it is ready.
     "server_fails": (
         ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", *python("print('command ran')")],
@@ -363,6 +390,25 @@ def test_server_failing_at_start(launches):
     assert wait_dead(launch.server_pids(), 5), launch.output()
 
 
+def test_spmd_runs_the_command_once_per_task(launches):
+    launch = launches["spmd"]
+    assert launch.wait() == 0, launch.output()
+    for task in ("/job:worker/task:0", "/job:worker/task:1"):
+        index = task[-1]
+        # Both copies got their own task and the shared secret, met, and
+        # summed 1 + 2; their stdout stays stdout, prefixed with the task.
+        launch.wait_for(rf"^\[worker:{index}\] SPMD {task} 3.0 True$", stream="stdout")
+    assert launch.server_pids() == []  # no servers in SPMD mode
+
+
+def test_spmd_first_failure_stops_the_other_tasks(launches):
+    launch = launches["spmd_fails"]
+    assert launch.wait() == 5, launch.output()
+    failed_at, _ = launch.wait_for(
+        r"^tf-rdma launch: /job:worker/task:1 exited with status 5; stopping the other tasks")
+    assert launch.ended - failed_at < 15, launch.output()
+
+
 # --------------------------------------------------------------------------- arguments
 
 
@@ -377,6 +423,7 @@ def test_server_failing_at_start(launches):
         (["-n", "1", "--ps", "-1", "--", "true"], "negative"),
         (["-n", "1", "--timeout-start", "0", "--", "true"], "positive"),
         (["-n", "1", "--server-module", "x", "--", "true"], "unrecognized arguments"),
+        (["-n", "2", "--ps", "1", "--spmd", "--", "true"], "--spmd runs one copy"),
     ],
 )
 def test_bad_arguments_exit_2(args, message, capsys):

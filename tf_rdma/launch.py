@@ -3,8 +3,17 @@
 ::
 
     tf-rdma launch -n 2 [--ps 1] [--host 127.0.0.1] [--timeout-start 60] -- python train.py
+    tf-rdma launch --spmd -n 2 -- python train.py
 
-starts ``-n`` worker tasks (job ``worker``) and ``--ps`` parameter-server tasks
+With ``--spmd`` (for ``tf_rdma.distribute.RdmaStrategy`` and other SPMD
+programs) there are no servers and no client: the command itself runs once per
+worker task, each copy with ``TF_CONFIG`` naming its own task and the shared
+``TF_RDMA_SECRET``, its output lines prefixed with the task (stdout to stdout,
+stderr to stderr). The launcher exits with 0 when every copy did, else with
+the status of the first copy that failed, and stops the other copies at once
+(a collective would otherwise wait for the dead one until its timeout).
+
+Without ``--spmd``, the launcher starts ``-n`` worker tasks (job ``worker``) and ``--ps`` parameter-server tasks
 (job ``ps``) on this machine, each a ``python -m tf_rdma.server`` process with
 its own ``TF_CONFIG``, waits until every one of them is serving, and then runs
 the command with ``TF_CONFIG`` set to the cluster alone (no ``"task"``: the
@@ -55,7 +64,8 @@ _TAIL_LINES = 20
 _PREFIX = "tf-rdma launch: "
 _SHM_DIR = "/dev/shm"
 
-_USAGE = "%(prog)s [-h] -n N [--ps M] [--host HOST] [--timeout-start S] -- CMD [ARGS...]"
+_USAGE = ("%(prog)s [-h] -n N [--ps M | --spmd] [--host HOST] [--timeout-start S] "
+          "-- CMD [ARGS...]")
 
 _DESCRIPTION = """\
 Start a cluster of local tf_rdma servers and run a command against it.
@@ -67,6 +77,11 @@ client, so there is no "task") and TF_RDMA_SECRET set. Server logs go to stderr,
 prefixed with their task ("[worker:0] ..."). When CMD exits, or on Ctrl-C or
 SIGTERM, the command and the servers are stopped (SIGTERM, then SIGKILL after
 10 s) and shared memory they leaked in /dev/shm is removed.
+
+With --spmd, runs CMD itself once per worker task instead (no servers): each
+copy gets TF_CONFIG with its own "task", as tf_rdma.distribute.RdmaStrategy
+and other SPMD programs expect; output is prefixed with the task; the first
+copy that fails stops the others and gives the exit status.
 """
 
 _EPILOG = """\
@@ -79,8 +94,9 @@ exit status:
   CMD's exit status (128+N if CMD was killed by signal N), 130 if interrupted,
   1 if the cluster failed to start, 2 for bad arguments, 127 if CMD was not found.
 
-example:
+examples:
   tf-rdma launch -n 2 -- python -c "import os; print(os.environ['TF_CONFIG'])"
+  tf-rdma launch --spmd -n 2 -- python train_with_rdma_strategy.py
 """
 
 
@@ -136,6 +152,12 @@ def add_arguments(parser):
         type=_non_negative_int,
         default=0,
         help='number of parameter-server tasks (job "ps"); default 0',
+    )
+    parser.add_argument(
+        "--spmd",
+        action="store_true",
+        help="run CMD once per worker task (TF_CONFIG names its task) instead "
+        "of servers plus one client; for RdmaStrategy programs",
     )
     parser.add_argument(
         "--host",
@@ -208,6 +230,10 @@ def run(args, parser=None):
     """
     parser = parser or _build_parser()
     command = _command_of(args, parser)
+    spmd = getattr(args, "spmd", False)
+    if spmd and args.num_ps:
+        parser.error(f"--spmd runs one copy of the command per worker; --ps {args.num_ps} "
+                     "has no place in it (drop --ps, or drop --spmd for a client-driven run)")
     try:
         launcher = _Launcher(
             num_workers=args.num_workers,
@@ -215,6 +241,7 @@ def run(args, parser=None):
             host=args.host,
             timeout_start=args.timeout_start,
             command=command,
+            spmd=spmd,
         )
     except ConfigError as err:
         parser.error(str(err))
@@ -265,11 +292,12 @@ class _Output:
     def __init__(self):
         self._lock = threading.Lock()
 
-    def write(self, line):
+    def write(self, line, stream=None):
+        stream = stream or sys.stderr
         with self._lock:
             try:
-                sys.stderr.write(line if line.endswith("\n") else line + "\n")
-                sys.stderr.flush()
+                stream.write(line if line.endswith("\n") else line + "\n")
+                stream.flush()
             except (OSError, ValueError):
                 pass
 
@@ -280,7 +308,8 @@ class _Output:
 class _Server:
     """One server subprocess and the threads that read its output."""
 
-    def __init__(self, job, index, address):
+    def __init__(self, job, index, address, stdout_to_stdout=False):
+        self.stdout_to_stdout = stdout_to_stdout  # SPMD copies: their stdout stays stdout
         self.job = job
         self.index = index
         self.address = address
@@ -325,7 +354,8 @@ class _Server:
                     self.ready.set()
                 elif not is_stdout:
                     self.tail.append(line)
-                out.write(self.label + line)
+                to_stdout = is_stdout and self.stdout_to_stdout
+                out.write(self.label + line, sys.stdout if to_stdout else None)
         except (OSError, ValueError):
             pass
         finally:
@@ -341,8 +371,9 @@ class _Server:
 
 
 class _Launcher:
-    def __init__(self, num_workers, num_ps, host, timeout_start, command):
+    def __init__(self, num_workers, num_ps, host, timeout_start, command, spmd=False):
         self.command = command
+        self.spmd = spmd
         self.timeout_start = timeout_start
         self.out = _Output()
         self.signal = None  # the first SIGINT/SIGTERM the launcher got
@@ -366,7 +397,7 @@ class _Launcher:
         self.endpoints = _cluster.endpoints(self.cluster, env)
         for job, tasks in self.cluster.items():
             for index, address in enumerate(tasks):
-                self.servers.append(_Server(job, index, address))
+                self.servers.append(_Server(job, index, address, stdout_to_stdout=spmd))
 
         secret = env.get("TF_RDMA_SECRET", "")
         self.secret = secret if secret.strip() else secrets.token_hex(32)
@@ -416,6 +447,8 @@ class _Launcher:
         server_env = dict(base_env)
         server_env["PYTHONUNBUFFERED"] = "1"
         _add_package_to_path(server_env)
+        if self.spmd:
+            return self._run_spmd(base_env, preexec)
 
         for server in self.servers:
             if self.signal is not None:
@@ -458,6 +491,44 @@ class _Launcher:
             f"(pid={self.cmd.pid})"
         )
         return self._wait_command()
+
+    def _run_spmd(self, base_env, preexec):
+        """Runs the command once per worker task; returns the exit status."""
+        for server in self.servers:
+            if self.signal is not None:
+                return self._signal_status()
+            env = dict(base_env)
+            env["PYTHONUNBUFFERED"] = "1"
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": self.cluster, "task": {"type": server.job, "index": server.index}}
+            )
+            try:
+                server.start(self.command, env, self.out, preexec)
+            except OSError as err:
+                self.out.say(f"could not run {_one_line(self.command)}: {err}")
+                return 126 if isinstance(err, PermissionError) else 127
+            self.pids.append(server.proc.pid)
+        self.out.say(
+            f"running {_one_line(self.command)} as {len(self.servers)} tasks of "
+            f"{json.dumps(self.cluster)}"
+        )
+        while True:
+            if self.signal is not None:
+                self.out.say(f"{_signal_name(self.signal)}: stopping every task")
+                return self._signal_status()
+            done = [s for s in self.servers if s.proc.poll() is not None]
+            for server in done:
+                if server.proc.returncode != 0:
+                    server.join_output(2.0)
+                    self._report_failure(
+                        server,
+                        f"{server.task} exited with status "
+                        f"{_describe_status(server.proc.returncode)}; stopping the other tasks",
+                    )
+                    return _exit_status(server.proc.returncode)
+            if len(done) == len(self.servers):
+                return 0
+            time.sleep(0.05)
 
     def _wait_ready(self):
         """Waits for every ready line; returns None when all are ready, else a status."""
