@@ -170,6 +170,17 @@ def test_group_sizes_that_are_not_powers_of_two_with_every_root(P):
         assert res.result["bad"] == [], (task, res.result["bad"][:20])
 
 
+def test_every_algorithm_over_tcp():
+    """The same schedules with the TCP transport (the receiving side's
+    progress thread applies each block, shorter last blocks included)."""
+    out = run_tasks({f"/job:worker/task:{i}": ODD_SIZES for i in range(3)},
+                    cluster=make_cluster(3), timeout=300,
+                    env={"TF_RDMA_TRANSPORT": "tcp"})
+    for task, res in out.items():
+        assert "uses tcp" in res.stderr and "uses shm" not in res.stderr, res.stderr
+        assert res.result["bad"] == [], (task, res.result["bad"][:20])
+
+
 def test_buckets_in_tf_function_subgroups_auto_and_calibrate():
     program = r"""
 start()
