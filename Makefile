@@ -22,10 +22,14 @@ help:
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 # iproute2 for the network-namespace tests, g++ for the op library.
-# chromium (optional) for the test that loads `tf-rdma inspect --format html`
-# in a headless browser: tried once (it is large, and not every distribution
-# has it under that name); where it cannot be installed that test skips.
+# Optional, each tried once (a stamp in build/), their tests skip without them:
+# chromium for the test that loads `tf-rdma inspect --format html` in a
+# headless browser (large, and not every distribution has it under that name);
+# python3-pyverbs, the distribution's pyverbs matching its rdma-core, for
+# `tf-rdma doctor` (docs/doctor.md; the PyPI pyverbs does not import on
+# rdma-core 44).
 CHROMIUM_TRIED := build/.chromium-tried
+PYVERBS_TRIED := build/.pyverbs-tried
 
 system-packages:
 	@missing=""; \
@@ -33,18 +37,21 @@ system-packages:
 	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	optional=""; \
 	if ! command -v chromium >/dev/null 2>&1 && [ ! -e $(CHROMIUM_TRIED) ]; then optional="chromium"; fi; \
+	if ! dpkg -s python3-pyverbs >/dev/null 2>&1 && [ ! -e $(PYVERBS_TRIED) ]; then optional="$$optional python3-pyverbs"; fi; \
 	if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$missing || exit 1; \
 	fi; \
 	if [ -n "$$optional" ]; then \
-	  mkdir -p $(dir $(CHROMIUM_TRIED)) && touch $(CHROMIUM_TRIED); \
+	  mkdir -p build && touch $(CHROMIUM_TRIED) $(PYVERBS_TRIED); \
 	  if [ -n "$$SUDO" ]; then SUDO="sudo -n"; fi; \
-	  echo "installing optional system package: chromium (for the HTML test of tf-rdma inspect)"; \
-	  { [ -n "$$missing" ] || $$SUDO apt-get update -qq; } && \
-	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
-	    || echo "chromium not installed: the HTML test of tf-rdma inspect will be skipped"; \
+	  { [ -n "$$missing" ] || $$SUDO apt-get update -qq; }; \
+	  for pkg in $$optional; do \
+	    echo "installing optional system package: $$pkg"; \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg \
+	      || echo "$$pkg not installed: the tests that need it will be skipped"; \
+	  done; \
 	fi
 
 $(VPY):

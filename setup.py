@@ -154,11 +154,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["tf_rdma", "tf_rdma.*"]),
-    package_data={"tf_rdma": ["_tf_rdma_ops.so", "_build_info.json"]},
+    package_data={"tf_rdma": ["_tf_rdma_ops.so", "_build_info.json",
+                              "doctor_schema.json"]},
     ext_modules=[Extension(LIBRARY, sources=core_sources())],
     cmdclass={"build_ext": BuildOpLibrary},
     install_requires=["numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
+                    # where the system's rdma-core is >= the wheel's (docs/doctor.md)
+                    "verbs": ["pyverbs"]},
     entry_points={"console_scripts": ["tf-rdma = tf_rdma.cli:main"]},
     zip_safe=False,
 )

@@ -81,6 +81,25 @@ def _add_simulate(subparsers):
     parser.set_defaults(func=run)
 
 
+def _add_doctor(subparsers):
+    from tf_rdma import doctor
+
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report RDMA devices, pyverbs, memlock, kernel support and the transport choice",
+        usage=doctor._USAGE,
+        description=doctor._DESCRIPTION,
+        epilog=doctor._EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_arguments(parser)
+
+    def run(args):
+        return doctor.run(args, parser)
+
+    parser.set_defaults(func=run)
+
+
 def build_parser():
     """Returns the ``tf-rdma`` argument parser with every subcommand.
 
@@ -99,6 +118,7 @@ def build_parser():
     _add_launch(subparsers)
     _add_inspect(subparsers)
     _add_simulate(subparsers)
+    _add_doctor(subparsers)
     return parser
 
 

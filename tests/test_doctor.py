@@ -1,0 +1,187 @@
+"""Tests of ``tf-rdma doctor``: real runs of the command on this machine.
+
+The command is run as a real subprocess (``python -m tf_rdma.cli doctor``)
+three times; what it reports is checked against the machine itself (does
+``/sys/class/infiniband`` exist, what is ``RLIMIT_MEMLOCK``). Where this
+machine has RDMA devices the "no RDMA" assertions do not apply and are
+skipped with that reason. The pure functions (schema validator, transport
+choice, memlock, GID parsing) are tested in-process.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tf_rdma import cli, doctor  # noqa: E402
+from tf_rdma.errors import ConfigError  # noqa: E402
+
+HAS_KERNEL_RDMA = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
+LOCAL_CLUSTER = {"worker": ["localhost:2222", "127.0.0.1:2223"]}
+# 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this machine.
+REMOTE_CLUSTER = {"worker": ["localhost:2222", "192.0.2.7:2222"]}
+
+
+def _schema():
+    with open(doctor.SCHEMA_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _doctor(*args, env_extra=None, timeout=180):
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.pop("TF_RDMA_TRANSPORT", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "tf_rdma.cli", "doctor", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _pair(report, a, b):
+    for pair in report["transports"]["pairs"]:
+        if {pair["a"], pair["b"]} == {a, b}:
+            return pair
+    raise AssertionError(f"no pair {a} <-> {b} in {report['transports']['pairs']!r}")
+
+
+# --------------------------------------------------------------------------- subprocess runs
+
+
+@pytest.fixture(scope="module")
+def text_run():
+    return _doctor("--cluster", json.dumps(LOCAL_CLUSTER), "--task", "worker:0")
+
+
+@pytest.fixture(scope="module")
+def json_run():
+    tf_config = {"cluster": REMOTE_CLUSTER, "task": {"type": "worker", "index": 0}}
+    return _doctor("--json", "--plan-bytes", str(1 << 40), env_extra={"TF_CONFIG": json.dumps(tf_config)})
+
+
+@pytest.fixture(scope="module")
+def require_run():
+    # pyverbs hidden (no dist-packages fallback), tcp forced, --require-rdma.
+    return _doctor("--json", "--require-rdma", "--no-dist-packages", "--cluster", json.dumps(LOCAL_CLUSTER),
+                   env_extra={"TF_RDMA_TRANSPORT": "tcp"})
+
+
+def test_text_report_on_this_machine(text_run):
+    assert text_run.returncode == 0, text_run.stderr[-3000:]
+    out = text_run.stdout
+    assert "pyverbs:" in out and "memlock (ulimit -l):" in out
+    assert "verbs: not available (the verbs backend is not built in this version" in out
+    assert "/job:worker/task:0 <-> /job:worker/task:1: shm (both tasks are on loopback" in out
+    if HAS_KERNEL_RDMA:
+        pytest.skip("this machine has RDMA devices in /sys/class/infiniband: no 'no RDMA' report")
+    assert "RDMA: no RDMA devices" in out
+    if not os.path.exists("/sys/class/infiniband"):
+        assert "/sys/class/infiniband is absent" in out.splitlines()[0], out
+
+
+def test_json_report_validates_and_matches_this_machine(json_run):
+    assert json_run.returncode == 0, json_run.stderr[-3000:]
+    report = json.loads(json_run.stdout)
+    assert doctor.validate(report, _schema()) == []
+    assert report["schema_version"] == doctor.SCHEMA_VERSION
+    # Memlock is what this process inherits from the same shell.
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    mem = report["memlock"]
+    if soft == resource.RLIM_INFINITY:
+        assert mem["soft"] is None and mem["soft_text"] == "unlimited" and mem["sufficient"] is True
+    else:
+        assert mem["soft"] == soft and mem["sufficient"] is (soft >= 1 << 40)
+    # Transport: TF_CONFIG's task, a remote peer → tcp.
+    tr = report["transports"]
+    assert tr["cluster_source"] == "TF_CONFIG" and tr["task"] == "/job:worker/task:0"
+    pair = _pair(report, "/job:worker/task:0", "/job:worker/task:1")
+    assert pair["transport"] == "tcp" and "192.0.2.7" in pair["reason"]
+    assert tr["verbs"]["available"] is False
+    sc = report["kernel"]["sys_class_infiniband"]
+    assert sc["present"] == os.path.isdir("/sys/class/infiniband")
+    if HAS_KERNEL_RDMA:
+        pytest.skip("this machine has RDMA devices: the 'no RDMA' assertions do not apply")
+    assert report["rdma"]["usable"] is False and report["devices"] == []
+    assert report["self_test"]["ran"] is False
+    if not sc["present"]:
+        assert "/sys/class/infiniband is absent" in report["rdma"]["reason"]
+        assert report["kernel"]["reason"].startswith("the kernel has no InfiniBand/RDMA support")
+
+
+def test_require_rdma_without_pyverbs_and_forced_tcp(require_run):
+    report = json.loads(require_run.stdout)
+    assert doctor.validate(report, _schema()) == []
+    assert _pair(report, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "tcp"
+    assert report["transports"]["setting"] == "tcp"
+    pv = report["pyverbs"]
+    if pv["source"] != "environment":
+        # Only the distribution's copy exists, and the fallback is off: not importable, said why.
+        assert pv["importable"] is False and pv["error"] and "pyverbs" in pv["error"]
+    if report["rdma"]["usable"]:
+        pytest.skip("this machine has a usable RDMA port: --require-rdma succeeds")
+    assert require_run.returncode == 1, require_run.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["doctor", "--plan-bytes", "lots"])
+    assert info.value.code == 2
+    assert "'lots'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["doctor", "--cluster", '{"worker": ["a:1"]}', "--task", "ps:0"])
+    assert info.value.code == 2
+    assert "ps:0" in capsys.readouterr().err
+
+
+def test_transport_choice_rules():
+    local = {"localhost", "myhost", "10.1.1.1"}
+    two = json.dumps({"worker": ["myhost:1", "10.1.1.1:2"], "ps": ["192.0.2.9:3"]})
+    result = doctor.transport_choice(two, env={}, local=local)
+    assert _pair({"transports": result}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
+    assert _pair({"transports": result}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "tcp"
+    forced = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm"}, local=local)
+    remote = _pair({"transports": forced}, "/job:worker/task:1", "/job:ps/task:0")
+    assert remote["transport"] is None and "no common transport" in remote["reason"]
+    only_me = doctor.transport_choice(two, task="/job:ps/task:0", env={}, local=local)
+    assert len(only_me["pairs"]) == 2
+    assert doctor.transport_choice(None, env={}, local=local)["pairs"] == []
+    with pytest.raises(ConfigError, match="'bogus'"):
+        doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "bogus"}, local=local)
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        doctor.transport_choice("{nope", env={}, local=local)
+
+
+def test_memlock_and_gid_helpers():
+    assert doctor.memlock(0)["sufficient"] is None
+    with pytest.raises(ConfigError, match="-1"):
+        doctor.memlock(-1)
+    assert doctor._gid_ip("0000:0000:0000:0000:0000:ffff:0a00:0001") == "10.0.0.1"
+    assert doctor._gid_ip("fe80:0000:0000:0000:0202:c9ff:fe00:0001") == "fe80::202:c9ff:fe00:1"
+    assert doctor._gid_ip("0000:0000:0000:0000:0000:0000:0000:0000") is None
+    assert doctor._gid_type_name("RoCE v2", "Ethernet") == "RoCE v2"
+    assert doctor._gid_type_name("IB/RoCE v1", "Ethernet") == "RoCE v1"
+    assert doctor._gid_type_name("IB/RoCE v1", "InfiniBand") == "IB"
+
+
+def test_validator_rejects_bad_reports():
+    schema = _schema()
+    report = doctor.build_report(env={})
+    assert doctor.validate(report, schema) == []
+    bad = json.loads(json.dumps(report))
+    bad["rdma"]["usable"] = "no"
+    del bad["memlock"]["soft"]
+    bad["extra"] = 1
+    errors = doctor.validate(bad, schema)
+    assert any("$.rdma.usable: 'no'" in e for e in errors)
+    assert any("'soft' is missing" in e for e in errors)
+    assert any("'extra' is not allowed" in e for e in errors)
