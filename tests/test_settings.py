@@ -44,3 +44,46 @@ def test_bad_values_name_variable_and_value(function, variable, value):
 def test_bad_secrets(secret):
     with pytest.raises(ConfigError, match="TF_RDMA_SECRET"):
         settings.secret(env={"TF_RDMA_SECRET": secret})
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+_BEGIN = "<!-- generated from tf_rdma/settings.py (SETTINGS); tests/test_settings.py checks it -->\n"
+_END = "<!-- end of generated settings table -->\n"
+
+
+def test_readme_settings_table_is_generated_from_the_code():
+    """The README's table is settings.markdown_table(); with
+    TF_RDMA_REGENERATE_DOCS=1 the test rewrites it instead of failing."""
+    import os
+
+    text = README.read_text()
+    start = text.index(_BEGIN) + len(_BEGIN)
+    end = text.index(_END, start)
+    wanted = settings.markdown_table()
+    if os.environ.get("TF_RDMA_REGENERATE_DOCS") == "1":
+        README.write_text(text[:start] + wanted + text[end:])
+        text = README.read_text()
+        end = text.index(_END, start)
+    assert text[start:end] == wanted, (
+        "README.md's settings table differs from tf_rdma/settings.py; run "
+        "TF_RDMA_REGENERATE_DOCS=1 pytest tests/test_settings.py")
+
+
+def test_settings_table_lists_every_variable_the_code_reads():
+    import pathlib
+    import re
+
+    from tf_rdma import cluster
+
+    assert settings.DEFAULT_PORT_OFFSET == cluster.DEFAULT_PORT_OFFSET
+    root = pathlib.Path(settings.__file__).resolve().parent
+    read = set()
+    for path in list(root.rglob("*.py")) + list((root.parent / "kernels").rglob("*.cc")):
+        read |= set(re.findall(r"\bTF_RDMA_[A-Z_]+\b", path.read_text()))
+    # Names that are not settings: the test switch, the doc regenerator,
+    # and C++ macro/identifier prefixes.
+    read -= {"TF_RDMA_TEST_VERBS", "TF_RDMA_REGENERATE_DOCS",
+             "TF_RDMA_BUILT_TF_VERSION", "TF_RDMA_RETURN_IF_ERROR",
+             "TF_RDMA_TYPES", "TF_RDMA_SLOT_ATTRS", "TF_RDMA_CASE"}
+    read = {name for name in read if not name.endswith("_H_")}
+    assert read == {s.name for s in settings.SETTINGS}

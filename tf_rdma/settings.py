@@ -3,16 +3,13 @@
 Each setting is read when a tf_rdma endpoint starts; a bad value is a
 ConfigError that names the variable, the value and what is allowed.
 
-| variable | default | meaning |
-|---|---|---|
-| TF_RDMA_SECRET | (none) | job secret every task must share; `tf-rdma launch` generates one |
-| TF_RDMA_TRANSPORT | auto | auto, shm or tcp: which transports a task accepts (auto: shm when both ends are on one host, else tcp) |
-| TF_RDMA_TIMEOUT | 60 | seconds any op waits for a peer before failing |
-| TF_RDMA_POLL_US | 50 | microseconds a recv polls for its data on TensorFlow's thread before handing the wait to an engine thread (0 to 10000) |
-| TF_RDMA_PORT_OFFSET | 1000 | endpoint port = gRPC port + offset (tf_rdma.cluster) |
-| TF_RDMA_ENDPOINTS | (none) | JSON task → "host:port" overrides (tf_rdma.cluster) |
+:data:`SETTINGS` lists every variable with its default and meaning; the
+README's settings table is generated from it (:func:`markdown_table`), and a
+test fails when the two disagree (``TF_RDMA_REGENERATE_DOCS=1 pytest
+tests/test_settings.py`` rewrites the README's table).
 """
 
+import collections
 import os
 
 from tf_rdma.errors import ConfigError
@@ -20,6 +17,45 @@ from tf_rdma.errors import ConfigError
 TRANSPORTS = ("auto", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_POLL_US = 50
+# tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
+# graph passes; tests/test_settings.py checks the two agree).
+DEFAULT_PORT_OFFSET = 1000
+
+#: One environment variable: its name, its default as shown to users ("" for
+#: none) and what it does.
+Setting = collections.namedtuple("Setting", ["name", "default", "meaning"])
+
+#: Every environment variable tf_rdma reads, in the order the docs list them.
+SETTINGS = (
+    Setting("TF_RDMA_SECRET", "",
+            "job secret every task and the client must share (required); "
+            "`tf-rdma launch` generates one"),
+    Setting("TF_RDMA_TRANSPORT", "auto",
+            "`auto` (shm when both ends are on one host, else tcp), `shm` "
+            "or `tcp`: the transports a task accepts"),
+    Setting("TF_RDMA_TIMEOUT", f"{DEFAULT_TIMEOUT_S:g}",
+            "seconds any op (transfer or collective) waits for a peer before "
+            "it fails, in (0, 604800]"),
+    Setting("TF_RDMA_POLL_US", str(DEFAULT_POLL_US),
+            "µs a recv polls for its data on TensorFlow's thread before "
+            "handing the wait to the engine, in [0, 10000]; a send that just "
+            "wrote polls waiting recvs for 4x this"),
+    Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
+            "a task's tf_rdma endpoint listens on its gRPC port + this "
+            "(tf_rdma.cluster)"),
+    Setting("TF_RDMA_ENDPOINTS", "",
+            'JSON `{"worker:0": "host:port", ...}` to place endpoints '
+            "explicitly (tf_rdma.cluster)"),
+)
+
+
+def markdown_table():
+    """The settings as the README's Markdown table (one line per variable)."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS:
+        default = f"`{s.default}`" if s.default else "—"
+        lines.append(f"| `{s.name}` | {default} | {s.meaning} |")
+    return "\n".join(lines) + "\n"
 
 
 def secret(value=None, env=None):
