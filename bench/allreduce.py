@@ -785,17 +785,22 @@ def build_parser():
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="hard limit per set of processes in seconds "
                              "(default 900; --quick 300)")
+    add_process_arguments(parser, SYSTEM_KINDS)
+    return parser
+
+
+def add_process_arguments(parser, systems):
+    """--keep, --verbose and the internal arguments of one worker process
+    (shared with bench/train.py)."""
     parser.add_argument("--keep", action="store_true",
                         help="keep the workers' logs and result files")
     parser.add_argument("--verbose", action="store_true",
                         help="show the workers' output")
     # Internal: one rank of one system.
-    parser.add_argument("--worker", choices=SYSTEM_KINDS,
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=systems, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--nranks", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser
 
 
 def main(argv=None):

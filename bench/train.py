@@ -61,7 +61,8 @@ _BENCH = os.path.dirname(os.path.abspath(__file__))
 if _BENCH not in sys.path:
     sys.path.insert(0, _BENCH)
 
-from allreduce import _free_ports, child_env, run_processes  # noqa: E402
+from allreduce import (  # noqa: E402
+    _free_ports, add_process_arguments, child_env, run_processes)
 from p2p import _loadavg, human_time, machine_info  # noqa: E402
 
 MWMS = "mwms-ring"
@@ -464,16 +465,7 @@ def build_parser():
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="hard limit per system in seconds (default 600;"
                              " --quick 300)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the workers' logs and result files")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show the workers' output")
-    # Internal: one worker of one system.
-    parser.add_argument("--worker", choices=SYSTEM_KINDS,
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--nranks", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_process_arguments(parser, SYSTEM_KINDS)
     return parser
 
 

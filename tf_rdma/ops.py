@@ -42,7 +42,12 @@ def _planned_shape(shape):
     return "[" + ", ".join("None" if d is None else str(d) for d in shape) + "]"
 
 
-def timeout_to_ms(timeout):
+def timeout_to_ms(timeout, error=PlanError):
+    """Seconds (None: TF_RDMA_TIMEOUT) as the ops' timeout_ms attribute (-1).
+
+    Raises:
+        error: `timeout` is not a positive number of seconds.
+    """
     if timeout is None:
         return -1
     try:
@@ -50,7 +55,7 @@ def timeout_to_ms(timeout):
     except (TypeError, ValueError):
         ms = 0
     if ms <= 0:
-        raise PlanError(f"timeout {timeout!r} must be a positive number of "
+        raise error(f"timeout {timeout!r} must be a positive number of "
                         f"seconds (or None for TF_RDMA_TIMEOUT)")
     return ms
 

@@ -135,8 +135,8 @@ struct Range {
 
 class Runner {
  public:
-  Runner(const CollectiveSpec& spec, const uint8_t* src, uint8_t* buf,
-         const ReduceFn& reduce)
+  Runner(const CollectiveSpec& spec, const std::string& hash,
+         const uint8_t* src, uint8_t* buf, const ReduceFn& reduce)
       : spec_(spec),
         src_(src),
         buf_(buf),
@@ -146,7 +146,7 @@ class Runner {
         block_(std::max(spec.element_bytes,
                         spec.block_bytes / spec.element_bytes *
                             spec.element_bytes)),
-        hash_(spec.Hash()),
+        hash_(hash),
         engine_(Engine::Get()) {}
 
   Status Run();
@@ -698,7 +698,7 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
         "; give collectives of different shapes, dtypes or algorithms "
         "different names");
   }
-  Status s = Runner(spec, src, buf, reduce).Run();
+  Status s = Runner(spec, hash, src, buf, reduce).Run();
   if (!s.ok()) state->poisoned = s.message();
   return s;
 }

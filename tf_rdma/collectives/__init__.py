@@ -43,7 +43,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_rdma import _loader, cluster as cluster_lib
+from tf_rdma import _loader, cluster as cluster_lib, ops
 from tf_rdma.errors import CollectiveError, EndpointError
 
 __all__ = ["KINDS", "ALGORITHMS", "REDUCTIONS", "Group", "default_group",
@@ -225,7 +225,6 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
 # The ops.
 
 _ordinals = weakref.WeakKeyDictionary()  # graph -> {signature: next ordinal}
-_eager_ordinals = {}
 _ordinals_lock = threading.Lock()
 
 
@@ -239,19 +238,6 @@ def _default_name(signature):
         ordinal = counts.get(signature, 0)
         counts[signature] = ordinal + 1
     return f"{signature}#{ordinal}"
-
-
-def _timeout_ms(timeout):
-    if timeout is None:
-        return -1
-    try:
-        ms = int(round(float(timeout) * 1000))
-    except (TypeError, ValueError):
-        ms = 0
-    if ms <= 0:
-        raise CollectiveError(f"timeout {timeout!r} must be a positive number "
-                              f"of seconds (or None for TF_RDMA_TIMEOUT)")
-    return ms
 
 
 def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
@@ -325,7 +311,7 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         inputs=tensors, kind=kind, reduction=reduction, algorithm=algorithm,
         group=list(group.tasks), rank=group.rank, root=root, instance=name,
         block_bytes=int(block_bytes), depth=depth,
-        timeout_ms=_timeout_ms(timeout))
+        timeout_ms=ops.timeout_to_ms(timeout, CollectiveError))
     return outputs[0] if single else list(outputs)
 
 

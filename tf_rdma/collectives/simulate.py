@@ -951,41 +951,34 @@ def _plot(rows, kinds, algorithms, sizes, ranks, outdir):
     written = []
     by = {(r["kind"], r["algorithm"], r["size_bytes"], r["P"]): r["simulated_s"]
           for r in rows}
+    def save(panels, xs, xlabel, curve, title, path):
+        """One figure: a panel per value of `panels`, time against `xs`."""
+        fig, axes = plt.subplots(1, len(panels),
+                                 figsize=(4.5 * len(panels), 4), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for a in algorithms:
+                ax.plot(xs, [curve(a, panel, x) for x in xs], marker="o",
+                        label=a)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("simulated time (s)")
+            ax.set_title(title(panel))
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
     for kind in kinds:
-        fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4),
-                                 squeeze=False)
-        for ax, n in zip(axes[0], sizes):
-            for a in algorithms:
-                ax.plot(ranks, [by[(kind, a, n, P)] for P in ranks], marker="o",
-                        label=a)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("P (ranks)")
-            ax.set_ylabel("simulated time (s)")
-            ax.set_title(f"{kind}, {_fmt_size(n)}")
-            ax.legend()
-        path = os.path.join(outdir, f"{kind}_vs_P.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-        fig, axes = plt.subplots(1, len(ranks), figsize=(4 * len(ranks), 4),
-                                 squeeze=False)
-        for ax, P in zip(axes[0], ranks):
-            for a in algorithms:
-                ax.plot(sizes, [by[(kind, a, n, P)] for n in sizes], marker="o",
-                        label=a)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("message size (bytes)")
-            ax.set_ylabel("simulated time (s)")
-            ax.set_title(f"{kind}, P = {P}")
-            ax.legend()
-        path = os.path.join(outdir, f"{kind}_vs_size.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        save(sizes, ranks, "P (ranks)",
+             lambda a, n, P, kind=kind: by[(kind, a, n, P)],
+             lambda n, kind=kind: f"{kind}, {_fmt_size(n)}",
+             os.path.join(outdir, f"{kind}_vs_P.png"))
+        save(ranks, sizes, "message size (bytes)",
+             lambda a, P, n, kind=kind: by[(kind, a, n, P)],
+             lambda P, kind=kind: f"{kind}, P = {P}",
+             os.path.join(outdir, f"{kind}_vs_size.png"))
     return written
 
 
