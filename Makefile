@@ -21,7 +21,9 @@ help:
 	@echo "make install  set up .venv and build the op library"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
-# iproute2 for the network-namespace tests, g++ for the op library.
+# iproute2 for the network-namespace tests, g++ for the op library,
+# libibverbs-dev for the verbs plugin (built and loaded by the tests; it
+# carries data only where an RDMA NIC exists).
 # Optional, each tried once (a stamp in build/), their tests skip without them:
 # chromium for the test that loads `tf-rdma inspect --format html` in a
 # headless browser (large, and not every distribution has it under that name);
@@ -35,6 +37,7 @@ system-packages:
 	@missing=""; \
 	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
 	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	[ -e /usr/include/infiniband/verbs.h ] || missing="$$missing libibverbs-dev"; \
 	optional=""; \
 	if ! command -v chromium >/dev/null 2>&1 && [ ! -e $(CHROMIUM_TRIED) ]; then optional="chromium"; fi; \
 	if ! dpkg -s python3-pyverbs >/dev/null 2>&1 && [ ! -e $(PYVERBS_TRIED) ]; then optional="$$optional python3-pyverbs"; fi; \

@@ -7,6 +7,12 @@ installed (tf.sysconfig). The TensorFlow version it was built against is
 recorded in tf_rdma/_build_info.json, so that `import tf_rdma` can tell a
 mismatch apart from a missing library.
 
+The verbs transport (kernels/transport/verbs) is a separate plugin,
+tf_rdma/_tf_rdma_verbs.so, linked to libibverbs only. It is built when the
+compiler finds <infiniband/verbs.h> (Debian/Ubuntu: libibverbs-dev) and
+skipped with a message otherwise; the core never links libibverbs and loads
+the plugin with dlopen only when the verbs transport is allowed.
+
 pip builds in an isolated environment by default, where the installed
 TensorFlow is not importable. The flags are therefore read by running this
 same interpreter with the isolation variables removed, which sees the target
@@ -30,9 +36,13 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = "tf_rdma._tf_rdma_ops"
 LIBRARY_FILE = "_tf_rdma_ops.so"
-# The verbs backend is a separate plugin (a later issue); never in the core.
-CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport/shm",
-                    "kernels/transport/tcp"]
+CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport",
+                    "kernels/transport/shm", "kernels/transport/tcp"]
+# The verbs backend is a separate plugin, linked to libibverbs and dlopened by
+# the core only when verbs is allowed; built only where the headers exist.
+VERBS_FILE = "_tf_rdma_verbs.so"
+VERBS_SOURCE_DIR = "kernels/transport/verbs"
+VERBS_HEADER = "infiniband/verbs.h"
 
 _QUERY = """
 import json, tensorflow as tf
@@ -58,12 +68,21 @@ def tensorflow_build_flags():
 
 
 def core_sources():
-    sources = []
-    for d in CORE_SOURCE_DIRS:
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
-            if name.endswith(".cc"):
-                sources.append(os.path.join(d, name))
-    return sources
+    return [src for d in CORE_SOURCE_DIRS for src in sources_in(d)]
+
+
+def sources_in(directory):
+    return [os.path.join(directory, name)
+            for name in sorted(os.listdir(os.path.join(ROOT, directory)))
+            if name.endswith(".cc")]
+
+
+def verbs_headers_present(cxx):
+    """True when the compiler finds <infiniband/verbs.h> (libibverbs-dev)."""
+    proc = subprocess.run([cxx, "-E", "-x", "c++", "-"],
+                          input="#include <%s>\n" % VERBS_HEADER,
+                          capture_output=True, text=True)
+    return proc.returncode == 0
 
 
 def newest_header_mtime():
@@ -109,22 +128,43 @@ class BuildOpLibrary(build_ext):
             os.replace(obj + ".tmp", obj)
             return obj
 
+        verbs_sources = []
+        if verbs_headers_present(cxx):
+            verbs_sources = sources_in(VERBS_SOURCE_DIR)
+        else:
+            print("tf_rdma: %s not found (install libibverbs-dev): building "
+                  "without the verbs transport" % VERBS_HEADER, flush=True)
         jobs = int(os.environ.get("TF_RDMA_BUILD_JOBS", os.cpu_count() or 2))
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             try:
-                objects = list(pool.map(compile_one, ext.sources))
+                objects = list(pool.map(compile_one,
+                                        ext.sources + verbs_sources))
             except RuntimeError as e:
                 raise SystemExit("tf_rdma: " + str(e))
+        core_objects = objects[:len(ext.sources)]
+        verbs_objects = objects[len(ext.sources):]
 
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        # Link to a temporary name and rename: processes that have the old
-        # library mapped keep their (unlinked) copy instead of crashing.
-        cmd = ([cxx, "-shared", "-o", out + ".tmp"] + objects +
-               tf_info["lflags"] + ["-lrt", "-lpthread"])
-        print("tf_rdma: linking", os.path.relpath(out, ROOT), flush=True)
-        subprocess.run(cmd, check=True)
-        os.replace(out + ".tmp", out)
+
+        def link(path, objs, flags):
+            # Link to a temporary name and rename: processes that have the
+            # old library mapped keep their (unlinked) copy instead of
+            # crashing.
+            print("tf_rdma: linking", os.path.relpath(path, ROOT), flush=True)
+            subprocess.run([cxx, "-shared", "-o", path + ".tmp"] + objs + flags,
+                           check=True)
+            os.replace(path + ".tmp", path)
+
+        link(out, core_objects, tf_info["lflags"] + ["-lrt", "-lpthread", "-ldl"])
+        verbs_out = os.path.join(os.path.dirname(out), VERBS_FILE)
+        if verbs_objects:
+            # Only libibverbs: the plugin uses nothing of TensorFlow's, and
+            # every undefined symbol must resolve when it is dlopened.
+            link(verbs_out, verbs_objects,
+                 ["-libverbs", "-lpthread", "-Wl,--no-undefined"])
+        elif os.path.exists(verbs_out):
+            os.remove(verbs_out)
         with open(os.path.join(os.path.dirname(out), "_build_info.json"),
                   "w") as f:
             json.dump({"tensorflow_version": tf_info["version"],
@@ -134,9 +174,13 @@ class BuildOpLibrary(build_ext):
     def copy_extensions_to_source(self):
         # In-place and editable builds put the library into the source tree,
         # with its build record. Copy-then-rename, never overwrite in place.
-        for name in (LIBRARY_FILE, "_build_info.json"):
+        for name in (LIBRARY_FILE, VERBS_FILE, "_build_info.json"):
             src = os.path.join(self.build_lib, "tf_rdma", name)
             dst = os.path.join(ROOT, "tf_rdma", name)
+            if name == VERBS_FILE and not os.path.exists(src):
+                if os.path.exists(dst):
+                    os.remove(dst)
+                continue
             shutil.copyfile(src, dst + ".tmp")
             shutil.copymode(src, dst + ".tmp")
             os.replace(dst + ".tmp", dst)
@@ -154,7 +198,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["tf_rdma", "tf_rdma.*"]),
-    package_data={"tf_rdma": ["_tf_rdma_ops.so", "_build_info.json",
+    package_data={"tf_rdma": ["_tf_rdma_ops.so", "_tf_rdma_verbs.so",
+                              "_build_info.json",
                               "doctor_schema.json"]},
     ext_modules=[Extension(LIBRARY, sources=core_sources())],
     cmdclass={"build_ext": BuildOpLibrary},

@@ -770,7 +770,7 @@ def build_parser():
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_KINDS,
                         default=list(SYSTEM_KINDS),
                         help="systems to measure (default: all three)")
-    parser.add_argument("--transport", choices=("auto", "shm", "tcp"),
+    parser.add_argument("--transport", choices=("auto", "shm", "tcp", "verbs"),
                         help="TF_RDMA_TRANSPORT for the tf_rdma processes "
                              "(default: the environment's, else auto = shm "
                              "on one host)")

@@ -5,7 +5,8 @@ Usage::
 
     python bench/p2p.py [--json PATH] [--sizes 4K 1M ...] [--runs N] [--quick]
 
-The script is its own orchestrator. For each transport (shm, then tcp) it
+The script is its own orchestrator. For each transport (shm, then tcp; add
+verbs with ``--transports shm tcp verbs`` on an RDMA host) it
 starts a 2-task cluster with ``tf-rdma launch`` (``TF_RDMA_TRANSPORT`` set for
 the servers) and runs itself inside it as the client (``--client``); the
 client measures and prints its results as one JSON line on stdout, which the
@@ -70,8 +71,9 @@ DEFAULT_RUNS = 10
 QUICK_RUNS = 3
 WARMUP = 2
 
-TRANSPORTS = ("shm", "tcp")
-SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "grpc", "memcpy")
+TRANSPORTS = ("shm", "tcp", "verbs")
+DEFAULT_TRANSPORTS = ("shm", "tcp")  # verbs: on request, where a NIC is
+SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "tf_rdma-verbs", "grpc", "memcpy")
 OPS = ("p2p", "p2p-call")
 
 TASKS = ("/job:worker/task:0", "/job:worker/task:1")
@@ -656,18 +658,22 @@ def build_parser():
                         help="hops of the p2p chain for every size (default: "
                              "by size, see the module docstring)")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
-                        default=list(TRANSPORTS),
-                        help="tf_rdma transports to measure (default: both)")
+                        default=list(DEFAULT_TRANSPORTS),
+                        help="tf_rdma transports to measure (default: shm tcp)")
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="hard limit per cluster run in seconds "
                              "(default 420; --quick 150)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the servers' and launcher's output")
-    # Internal: the client mode, run under tf-rdma launch.
+    # The client mode: run under tf-rdma launch by the orchestrator, or by
+    # hand against servers on two hosts (docs/verbs.md).
     parser.add_argument("--client", action="store_true",
-                        help=argparse.SUPPRESS)
+                        help="measure as the client of the cluster in "
+                             "TF_CONFIG (2 workers already running as "
+                             "tf_rdma servers); prints one JSON line")
     parser.add_argument("--transport", default="shm", choices=TRANSPORTS,
-                        help=argparse.SUPPRESS)
+                        help="with --client: the transport the servers use, "
+                             "for the labels")
     parser.add_argument("--no-grpc", dest="grpc", action="store_false",
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-check-chain", dest="check_chain",

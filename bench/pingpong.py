@@ -102,7 +102,7 @@ def main(argv=None):
     parser.add_argument("--sizes", nargs="+", default=["4K", "64K"],
                         choices=sorted(SIZES))
     parser.add_argument("--transports", nargs="+", default=["shm", "tcp"],
-                        choices=["shm", "tcp"])
+                        choices=["shm", "tcp", "verbs"])
     parser.add_argument("--poll-us", nargs="+", type=int, default=[0, 50],
                         help="TF_RDMA_POLL_US values to compare")
     parser.add_argument("--iters", type=int, default=2000,

@@ -599,7 +599,7 @@ def build_parser():
                         help=f"timed planning runs (default "
                              f"{DEFAULT_PLAN_RUNS}; --quick "
                              f"{QUICK_PLAN_RUNS})")
-    parser.add_argument("--transport", default="shm", choices=("shm", "tcp"),
+    parser.add_argument("--transport", default="shm", choices=("shm", "tcp", "verbs"),
                         help="TF_RDMA_TRANSPORT for the servers (default shm)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="hard limit per measurement in seconds "

@@ -459,7 +459,7 @@ def build_parser():
                              "over the weights per step, so that the step "
                              "stays communication-bound)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--transport", choices=("auto", "shm", "tcp"),
+    parser.add_argument("--transport", choices=("auto", "shm", "tcp", "verbs"),
                         help="TF_RDMA_TRANSPORT for the tf_rdma workers "
                              "(default: the environment's, else auto)")
     parser.add_argument("--timeout", type=float, metavar="S",

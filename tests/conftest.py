@@ -158,3 +158,55 @@ def shm_segments(pids=None):
         prefixes = tuple(f"tfrdma.{p}." for p in pids)
         names = [n for n in names if n.startswith(prefixes)]
     return names
+
+
+# ---------------------------------------------------------------------------
+# The verbs transport's tests need an RDMA device with an active port. Where
+# there is none they skip with the reason, unless TF_RDMA_TEST_VERBS=1 says
+# that this is an RDMA host, which turns the skip into a failure.
+
+SYS_CLASS_INFINIBAND = "/sys/class/infiniband"
+
+
+def rdma_port_missing():
+    """None when a device under /sys/class/infiniband has an ACTIVE port,
+    else why the verbs tests cannot run here."""
+    if not os.path.isdir(SYS_CLASS_INFINIBAND):
+        return (f"no RDMA support in this kernel ({SYS_CLASS_INFINIBAND} is "
+                f"absent)")
+    states = []
+    for device in sorted(os.listdir(SYS_CLASS_INFINIBAND)):
+        ports = os.path.join(SYS_CLASS_INFINIBAND, device, "ports")
+        for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
+            try:
+                with open(os.path.join(ports, port, "state")) as f:
+                    state = f.read().strip()
+            except OSError:
+                continue
+            if "ACTIVE" in state:
+                return None
+            states.append(f"{device} port {port}: {state}")
+    return ("no RDMA port is ACTIVE (" + ("; ".join(states) or "no devices") +
+            ")")
+
+
+def require_verbs():
+    """Skips the calling test when no RDMA port is usable here (fails instead
+    under TF_RDMA_TEST_VERBS=1)."""
+    missing = rdma_port_missing()
+    if missing is None:
+        return
+    if os.environ.get("TF_RDMA_TEST_VERBS") == "1":
+        pytest.fail(f"TF_RDMA_TEST_VERBS=1 but {missing}")
+    pytest.skip(f"verbs transport test: {missing}; on an RDMA host, "
+                f"TF_RDMA_TEST_VERBS=1 makes this skip a failure")
+
+
+#: The transports whose data path the two-process tests exercise.
+TRANSPORTS = ("shm", "tcp", "verbs")
+
+
+def use_transport(name):
+    """Called by a transport-parametrized fixture before it starts tasks."""
+    if name == "verbs":
+        require_verbs()

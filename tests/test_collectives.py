@@ -18,7 +18,7 @@ the bound is the classic one for a sum of P terms:
 
 import pytest
 
-from conftest import make_cluster, run_tasks
+from conftest import make_cluster, run_tasks, use_transport
 
 # The body every rank runs; MATRIX(P) is substituted.
 MATRIX = r"""
@@ -170,14 +170,17 @@ def test_group_sizes_that_are_not_powers_of_two_with_every_root(P):
         assert res.result["bad"] == [], (task, res.result["bad"][:20])
 
 
-def test_every_algorithm_over_tcp():
+@pytest.mark.parametrize("transport", ["tcp", "verbs"])
+def test_every_algorithm_over_another_transport(transport):
     """The same schedules with the TCP transport (the receiving side's
-    progress thread applies each block, shorter last blocks included)."""
+    progress thread applies each block, shorter last blocks included) and,
+    on an RDMA host, verbs (blocks forwarded from registered channels)."""
+    use_transport(transport)
     out = run_tasks({f"/job:worker/task:{i}": ODD_SIZES for i in range(3)},
                     cluster=make_cluster(3), timeout=300,
-                    env={"TF_RDMA_TRANSPORT": "tcp"})
+                    env={"TF_RDMA_TRANSPORT": transport})
     for task, res in out.items():
-        assert "uses tcp" in res.stderr and "uses shm" not in res.stderr, res.stderr
+        assert f"uses {transport}" in res.stderr and "uses shm" not in res.stderr, res.stderr
         assert res.result["bad"] == [], (task, res.result["bad"][:20])
 
 

@@ -77,7 +77,10 @@ def test_text_report_on_this_machine(text_run):
     assert text_run.returncode == 0, text_run.stderr[-3000:]
     out = text_run.stdout
     assert "pyverbs:" in out and "memlock (ulimit -l):" in out
-    assert "verbs: not available (the verbs backend is not built in this version" in out
+    if not HAS_KERNEL_RDMA:
+        # The engine's own verdict (the verbs plugin is built here).
+        assert "verbs: not usable (libibverbs cannot list RDMA devices" in out or \
+            "verbs: not usable (no RDMA devices" in out, out
     assert "/job:worker/task:0 <-> /job:worker/task:1: shm (both tasks are on loopback" in out
     if HAS_KERNEL_RDMA:
         pytest.skip("this machine has RDMA devices in /sys/class/infiniband: no 'no RDMA' report")
@@ -143,15 +146,33 @@ def test_usage_errors_exit_2(capsys):
     assert "ps:0" in capsys.readouterr().err
 
 
+NO_VERBS = {"available": False, "device": None, "reason": "no RDMA devices"}
+MLX = {"available": True, "device": "mlx5_0 port 1, RoCE, RoCE v2 GID 3 (10.1.1.1), MTU 4096",
+       "reason": None}
+
+
 def test_transport_choice_rules():
     local = {"localhost", "myhost", "10.1.1.1"}
     two = json.dumps({"worker": ["myhost:1", "10.1.1.1:2"], "ps": ["192.0.2.9:3"]})
-    result = doctor.transport_choice(two, env={}, local=local)
+    result = doctor.transport_choice(two, env={}, local=local, verbs=NO_VERBS)
     assert _pair({"transports": result}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
     assert _pair({"transports": result}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "tcp"
-    forced = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm"}, local=local)
+    forced = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm"}, local=local, verbs=NO_VERBS)
     remote = _pair({"transports": forced}, "/job:worker/task:1", "/job:ps/task:0")
     assert remote["transport"] is None and "no common transport" in remote["reason"]
+    # verbs first where usable, in the order TF_RDMA_TRANSPORT gives.
+    rdma = doctor.transport_choice(two, env={}, local=local, verbs=MLX)
+    assert {p["transport"] for p in rdma["pairs"]} == {"verbs"}
+    assert "mlx5_0" in rdma["pairs"][0]["reason"]
+    shm_first = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
+                                        verbs=MLX)
+    assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
+    assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "verbs"
+    # Verbs demanded but unusable: the endpoint does not start, whatever else is listed.
+    demanded = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "verbs,tcp"}, local=local,
+                                       verbs=NO_VERBS)
+    assert {p["transport"] for p in demanded["pairs"]} == {None}
+    assert "asks for verbs, which is not usable here (no RDMA devices)" in demanded["pairs"][0]["reason"]
     only_me = doctor.transport_choice(two, task="/job:ps/task:0", env={}, local=local)
     assert len(only_me["pairs"]) == 2
     assert doctor.transport_choice(None, env={}, local=local)["pairs"] == []

@@ -22,7 +22,8 @@ import os
 import pytest
 import tf_rdma
 
-from conftest import collect, make_cluster, run_tasks, shm_segments, spawn_task
+from conftest import (TRANSPORTS, collect, make_cluster, run_tasks,
+                      shm_segments, spawn_task, use_transport)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,10 +112,12 @@ else:
 """
 
 
-# Peer death is seen through the pair's socket on both transports (for shm
-# the socket carries only set-up, for tcp the data too): test each.
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+# Peer death is seen through the pair's socket on every transport (for shm
+# and verbs the socket carries only set-up, for tcp the data too), and for
+# verbs also as failed completions: test each.
+@pytest.fixture(scope="module", params=TRANSPORTS)
 def killed(request, tmp_path_factory):
+    use_transport(request.param)
     sync_dir = tmp_path_factory.mktemp("killed")
     cluster = make_cluster(2)
     env = {"TF_RDMA_TIMEOUT": "30", "TEST_SYNC_DIR": str(sync_dir),

@@ -18,6 +18,7 @@ the module ends with a SIGTERM shutdown that must leave no /dev/shm segment.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -678,6 +679,13 @@ def check_moved(r, calls):
     assert kept
     for e in kept:
         assert e["key"] in r["explain"] and e["reason"] in r["explain"]
+    # ... and names the transport of every task pair the plan uses (the
+    # client has TF_CONFIG's cluster: the engine's expected choice).
+    for src, dst in pairs(r):
+        line = (f"{cluster_lib.canonical_task(src)} -> "
+                f"{cluster_lib.canonical_task(dst)}: ")
+        assert re.search(re.escape(line) + r"(verbs|shm|tcp) \((expected|connected): ",
+                         r["explain"]), r["explain"]
 
 
 def pairs(r):

@@ -8,7 +8,7 @@ and the steps of both ends stay paired.
 
 import pytest
 
-from conftest import run_tasks
+from conftest import TRANSPORTS, run_tasks, use_transport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,8 +59,9 @@ else:
 """
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_steps_in_order_and_late_sender(transport):
+    use_transport(transport)
     out = run_tasks({"worker:0": PROGRAM, "worker:1": PROGRAM},
                     env={"TF_RDMA_TRANSPORT": transport})
     r = out["worker:1"].result

@@ -1,6 +1,6 @@
 """Data-path correctness of send/recv between two real processes.
 
-For each transport (shm, tcp) one pair of processes runs every scenario in
+For each transport (shm, tcp, and verbs where an RDMA device exists) one pair of processes runs every scenario in
 turn (process start-up costs seconds, so the scenarios share it); each test
 below checks one scenario's reports:
 
@@ -19,12 +19,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import make_cluster, run_tasks
+from conftest import TRANSPORTS, make_cluster, run_tasks, use_transport
 from tf_rdma.graph_passes.plan import DTYPE_SIZES
 
 pytestmark = pytest.mark.timeout(400)
-
-TRANSPORTS = ("shm", "tcp")
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16",
           "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
@@ -221,6 +219,7 @@ else:
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def run(request, tmp_path_factory):
     transport = request.param
+    use_transport(transport)
     sync_dir = tmp_path_factory.mktemp(f"transfer-{transport}")
     constants = dict(
         DTYPES=DTYPES, SHAPES=SHAPES, MATRIX_STEPS=MATRIX_STEPS,

@@ -105,6 +105,9 @@ def load():
         cdll.tfrdma_started.restype = ctypes.c_int
         cdll.tfrdma_info.argtypes = [ctypes.c_char_p, ctypes.c_int]
         cdll.tfrdma_info.restype = ctypes.c_int
+        cdll.tfrdma_verbs_probe.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                            ctypes.c_int]
+        cdll.tfrdma_verbs_probe.restype = ctypes.c_int
         cdll.tfrdma_hmac_sha256.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                             ctypes.c_char_p, ctypes.c_int,
                                             ctypes.c_char_p]

@@ -423,7 +423,8 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
         model's choice per collective.
       depth: Blocks in flight per channel; default 4.
       secret: The job secret; default ``TF_RDMA_SECRET``.
-      transport: ``"auto"``, ``"shm"`` or ``"tcp"``; default
+      transport: ``"auto"`` or a comma-separated list of ``"verbs"``,
+        ``"shm"``, ``"tcp"`` in order of preference; default
         ``TF_RDMA_TRANSPORT``.
       calibrate: With ``algorithm="auto"`` and several workers, measure the
         cost model's α, β, γ, δ at start-up (``tf_rdma.collectives.calibrate``:

@@ -40,6 +40,7 @@ import ipaddress
 import json
 import os
 import platform
+import re
 import resource
 import socket
 import stat
@@ -50,7 +51,7 @@ import time
 
 from tf_rdma import cluster as cluster_lib
 from tf_rdma import settings
-from tf_rdma.errors import ConfigError
+from tf_rdma.errors import ConfigError, LibraryError
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -567,15 +568,33 @@ def _load_cluster(cluster_json, env):
     return None, None
 
 
-def transport_choice(cluster_json=None, task=None, env=None, rdma_reason=None, local=None):
+def engine_verbs_status(env=None):
+    """Asks the engine whether verbs is usable here (:func:`tf_rdma.server.verbs_status`).
+
+    Where the op library itself cannot load, verbs counts as unusable and
+    the reason says why.
+    """
+    from tf_rdma import server  # pylint: disable=import-outside-toplevel
+
+    try:
+        return server.verbs_status(env)
+    except LibraryError as err:
+        return {"available": False, "device": None,
+                "reason": f"the op library does not load, so the engine was not asked: {err}"}
+
+
+def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=None):
     """Says which transport tf_rdma picks for each pair of tasks, and why.
 
-    The engine decides at the hello between two tasks: ``shm`` when both run
-    on one host (same boot and network namespace), else ``tcp``;
-    ``TF_RDMA_TRANSPORT`` narrows the choice. The doctor predicts that from
+    The engine decides at the hello between two tasks: the first transport
+    of ``TF_RDMA_TRANSPORT`` (``auto``: verbs, shm, tcp) that both ends
+    allow and that fits the pair — verbs when both ends have a usable RDMA
+    device, shm when both run on one host (same boot and network namespace),
+    tcp always. The doctor predicts that from this host's verbs status and
     the addresses: two tasks are on one host when both are loopback
     addresses, both are addresses or names of this machine, or they have the
-    same host string.
+    same host string. It assumes the other hosts' RDMA devices are like this
+    one's.
 
     Args:
         cluster_json: A ClusterSpec as JSON (``{"worker": [...]}`` or a whole
@@ -583,26 +602,27 @@ def transport_choice(cluster_json=None, task=None, env=None, rdma_reason=None, l
         task: This task (``"worker:0"``, ``"/job:worker/task:0"``); default:
             TF_CONFIG's task; None: every pair of tasks is reported.
         env: The environment (default ``os.environ``).
-        rdma_reason: Why verbs is not usable here (added to the verbs line).
+        verbs: ``{"available", "device", "reason"}`` for this host; default:
+            :func:`engine_verbs_status`.
         local: Names/addresses of this machine (default :func:`local_addresses`).
 
     Returns:
-        A dict with ``setting`` (auto, shm or tcp), ``cluster_source``,
-        ``task``, ``tasks`` (``{"task", "address", "host_kind"}``), ``pairs``
-        (``{"a", "b", "transport", "reason"}``, ``transport`` None when the
-        pair cannot connect) and ``verbs`` (``{"available", "reason"}``).
+        A dict with ``setting`` (``auto`` or a list such as ``shm,tcp``),
+        ``cluster_source``, ``task``, ``tasks`` (``{"task", "address",
+        "host_kind"}``), ``pairs`` (``{"a", "b", "transport", "reason"}``,
+        ``transport`` None when the pair cannot connect) and ``verbs``.
 
     Raises:
-        ConfigError: The cluster, task or TF_RDMA_TRANSPORT is not valid; the
-            message names the bad value.
+        ConfigError: The cluster, task or a TF_RDMA_* setting is not valid;
+            the message names the bad value.
     """
     env = os.environ if env is None else env
     setting = settings.transport(env=env)
-    verbs_reason = "the verbs backend is not built in this version"
-    if rdma_reason:
-        verbs_reason += f"; and {rdma_reason}"
+    allowed = settings.allowed_transports(setting)
+    if verbs is None:
+        verbs = engine_verbs_status(env)
     result = {"setting": setting, "cluster_source": None, "task": None, "tasks": [], "pairs": [],
-              "verbs": {"available": False, "reason": verbs_reason}}
+              "verbs": verbs}
     cluster, source = _load_cluster(cluster_json, env)
     if cluster is None:
         if task:
@@ -627,25 +647,92 @@ def transport_choice(cluster_json=None, task=None, env=None, rdma_reason=None, l
         me = cluster_lib.canonical_task(*mine) if mine else None
     result["task"] = me
     result["tasks"] = [{k: t[k] for k in ("task", "address", "host_kind")} for t in tasks]
+    forced = "" if setting == "auto" else f" (TF_RDMA_TRANSPORT={setting})"
+    start_fails = None
+    if setting != "auto" and "verbs" in allowed and not verbs["available"]:
+        start_fails = (f"TF_RDMA_TRANSPORT={setting} asks for verbs, which is not usable "
+                       f"here ({verbs['reason']}): the endpoint does not start")
     for i, a in enumerate(tasks):
         for b in tasks[i + 1:]:
             if me is not None and me not in (a["task"], b["task"]):
                 continue
             same, why = _same_host(a, b)
-            if setting == "tcp":
-                chosen, reason = "tcp", "TF_RDMA_TRANSPORT=tcp"
-            elif same:
-                chosen = "shm"
-                reason = why + (" (TF_RDMA_TRANSPORT=shm)" if setting == "shm" else "")
-            elif setting == "shm":
-                chosen = None
-                reason = (f"{why}, but TF_RDMA_TRANSPORT=shm allows only shared memory: "
-                          "the hello fails with 'no common transport'")
+            chosen, reason = None, None
+            if start_fails:
+                result["pairs"].append({"a": a["task"], "b": b["task"], "transport": None,
+                                        "reason": start_fails})
+                continue
+            for t in allowed:
+                if t == "verbs" and verbs["available"]:
+                    chosen = "verbs"
+                    reason = (f"RDMA device {verbs['device']} (when the other end has a usable "
+                              f"device too; else the next allowed transport)")
+                elif t == "shm" and same:
+                    chosen, reason = "shm", why
+                elif t == "tcp":
+                    chosen, reason = "tcp", why
+                if chosen:
+                    break
+            if chosen:
+                reason += forced
             else:
-                chosen, reason = "tcp", why
+                reason = (f"{why}, but TF_RDMA_TRANSPORT={setting} allows only "
+                          f"{', '.join(allowed)}: the hello fails with 'no common transport'")
             result["pairs"].append({"a": a["task"], "b": b["task"], "transport": chosen,
                                     "reason": reason})
     return result
+
+
+def plan_transports(pairs, cluster=None, env=None):
+    """Says which transport carries each (src, dst) task pair of a plan.
+
+    A pair that this process's endpoint has already connected reports the
+    transport it uses; any other pair reports the transport the engine is
+    expected to choose (:func:`transport_choice`) for ``cluster``.
+
+    Args:
+        pairs: ``(src, dst)`` task names, e.g. from a Plan's transfers.
+        cluster: The cluster (dict job → addresses); default: TF_CONFIG's,
+            when set.
+        env: The environment (default ``os.environ``).
+
+    Returns:
+        One ``{"src", "dst", "transport", "status", "reason"}`` per pair, in
+        order; ``status`` is ``connected``, ``expected`` or ``unknown`` (no
+        cluster to predict from), ``transport`` None unless known.
+    """
+    from tf_rdma import server  # pylint: disable=import-outside-toplevel
+
+    env = os.environ if env is None else env
+    connected = {}
+    try:
+        if server.endpoint_running():
+            for line in server.endpoint_info()["pair"]:
+                a, _, rest = line.partition(" -> ")
+                b, _, transport = rest.rpartition(" ")
+                connected[(a, b)] = transport
+    except LibraryError:
+        pass
+    expected = {}
+    if cluster is not None or (env.get(cluster_lib.TF_CONFIG_ENV) or "").strip():
+        choice = transport_choice(json.dumps(cluster) if cluster is not None else None,
+                                  None, env)
+        for p in choice["pairs"]:
+            expected[(p["a"], p["b"])] = expected[(p["b"], p["a"])] = p
+    out = []
+    for src, dst in pairs:
+        src, dst = cluster_lib.canonical_task(src), cluster_lib.canonical_task(dst)
+        row = {"src": src, "dst": dst, "transport": None, "status": "unknown",
+               "reason": "not connected from this process, and no cluster to predict from "
+                         "(set TF_CONFIG or pass the cluster)"}
+        if (src, dst) in connected:
+            row.update(transport=connected[(src, dst)], status="connected",
+                       reason="this process's endpoint uses it")
+        elif (src, dst) in expected:
+            p = expected[(src, dst)]
+            row.update(transport=p["transport"], status="expected", reason=p["reason"])
+        out.append(row)
+    return out
 
 
 def _same_host(a, b):
@@ -817,8 +904,7 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
         if not dev["present"]:
             parts.append(f"{dev['path']} is absent")
         reason = "; ".join(parts) or "no usable RDMA device"
-    transports = transport_choice(cluster_json, task, env,
-                                  rdma_reason=("no usable RDMA device: " + reason) if reason else None)
+    transports = transport_choice(cluster_json, task, env)
     test = self_test(module, devices) if run_self_test else {
         "ran": False, "ok": None, "device": None, "port": None, "bytes": SELF_TEST_BYTES,
         "seconds": None, "reason": "not requested; pass --self-test"}
@@ -907,7 +993,10 @@ def format_text(report):
     out.append(line)
     tr = report["transports"]
     out.append(f"transports (TF_RDMA_TRANSPORT={tr['setting']}):")
-    out.append(f"  verbs: not available ({tr['verbs']['reason']})")
+    if tr["verbs"]["available"]:
+        out.append(f"  verbs: usable ({tr['verbs']['device']})")
+    else:
+        out.append(f"  verbs: not usable ({tr['verbs']['reason']})")
     if tr["cluster_source"] is None:
         out.append("  no cluster given (--cluster or TF_CONFIG): no pairs to report")
     else:
@@ -972,6 +1061,8 @@ def _validate(value, schema, path, root):
             return [f"{path}: {value!r} is not of type {' or '.join(names)}"]
     if "enum" in schema and value not in schema["enum"]:
         errors.append(f"{path}: {value!r} is not one of {schema['enum']!r}")
+    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+        errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
     if "const" in schema and value != schema["const"]:
         errors.append(f"{path}: {value!r} is not {schema['const']!r}")
     if "minimum" in schema and isinstance(value, (int, float)) and not isinstance(value, bool) \

@@ -66,11 +66,17 @@ class Endpoint:
         return f"Endpoint(task={self.task!r}, address={self.address!r})"
 
 
+def endpoint_running():
+    """True when this process runs a tf_rdma endpoint."""
+    return bool(_loader.load().c.tfrdma_started())
+
+
 def endpoint_info():
     """Returns the running endpoint's state as a dict ("pair" lists connections).
 
-    Keys: task, listen_port, transport, pair (list of "a -> b transport"),
-    region (list of "name segment bytes").
+    Keys: task, listen_port, transport, verbs (the RDMA device, or
+    "unusable: <why>"), pair (list of "a -> b transport"), region (list of
+    "name segment bytes").
     """
     c = _loader.load().c
     size = c.tfrdma_info(None, 0)
@@ -86,6 +92,33 @@ def endpoint_info():
     return info
 
 
+def verbs_status(env=None):
+    """Says whether the verbs transport is usable in this process, and why not.
+
+    Asks the engine itself: it loads the verbs plugin and opens the RDMA
+    device with the TF_RDMA_VERBS_* settings, exactly as a starting endpoint
+    does, then closes it.
+
+    Args:
+        env: The environment to read TF_RDMA_VERBS_* from (default os.environ).
+
+    Returns:
+        ``{"available": bool, "device": description or None, "reason": why
+        not or None}``.
+
+    Raises:
+        ConfigError: A TF_RDMA_VERBS_* value is out of range.
+        LibraryError: The op library cannot be loaded.
+    """
+    config = "\n".join(settings.verbs_config(env)).encode()
+    out = ctypes.create_string_buffer(4096)
+    rc = _loader.load().c.tfrdma_verbs_probe(config, out, len(out))
+    text = out.value.decode(errors="replace")
+    if rc == 0:
+        return {"available": True, "device": text, "reason": None}
+    return {"available": False, "device": None, "reason": text}
+
+
 def start_endpoint(task, cluster=None, secret=None, transport=None,
                    timeout=None, listen=None):
     """Starts this process's tf_rdma endpoint.
@@ -95,7 +128,8 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
         cluster: The cluster (dict job → addresses, or tf.train.ClusterSpec);
             default: TF_CONFIG. Peer endpoints follow from it (tf_rdma.cluster).
         secret: The job secret; default TF_RDMA_SECRET.
-        transport: "auto", "shm" or "tcp"; default TF_RDMA_TRANSPORT or auto.
+        transport: "auto", or a comma-separated list of "verbs", "shm",
+            "tcp" in order of preference; default TF_RDMA_TRANSPORT or auto.
         timeout: Seconds any op waits for a peer; default TF_RDMA_TIMEOUT or 60.
         listen: "host:port" to listen on; default this task's endpoint address.
 
@@ -123,6 +157,7 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"transport={settings.transport(transport)}",
              f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}",
              f"poll_us={settings.poll_microseconds()}"]
+    lines += settings.verbs_config()
     lines += [f"peer={t} {a}" for t, a in sorted(addresses.items()) if t != task]
     with _endpoint_lock:
         if _endpoint is not None:

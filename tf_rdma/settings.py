@@ -14,7 +14,8 @@ import os
 
 from tf_rdma.errors import ConfigError
 
-TRANSPORTS = ("auto", "shm", "tcp")
+#: The transports, in the order "auto" tries them (design.md §3).
+TRANSPORTS = ("verbs", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_POLL_US = 50
 # tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
@@ -25,14 +26,88 @@ DEFAULT_PORT_OFFSET = 1000
 #: none) and what it does.
 Setting = collections.namedtuple("Setting", ["name", "default", "meaning"])
 
+#: One verbs setting: the variable, its default as shown, its meaning, the
+#: engine config key, and a check that returns the value or raises.
+VerbsSetting = collections.namedtuple(
+    "VerbsSetting", ["name", "default", "meaning", "key", "parse"])
+
+
+def _int_in(lo, hi):
+    def parse(name, raw):
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise ConfigError(f"{name}={raw!r} is not an integer in "
+                              f"[{lo}, {hi}]")
+        return value
+    return parse
+
+
+def _one_of(*allowed):
+    def parse(name, raw):
+        if raw not in allowed:
+            raise ConfigError(f"{name}={raw!r} is not one of "
+                              f"{', '.join(allowed)}")
+        return raw
+    return parse
+
+
+def _device_name(name, raw):
+    if not raw or any(ch.isspace() for ch in raw):
+        raise ConfigError(f"{name}={raw!r} is not an RDMA device name "
+                          f"(e.g. mlx5_0; `tf-rdma doctor` lists them)")
+    return raw
+
+
+#: The verbs transport's settings (docs/verbs.md), in the order the docs
+#: list them. Unset: the default (in the engine).
+VERBS_SETTINGS = (
+    VerbsSetting("TF_RDMA_VERBS_DEVICE", "",
+                 "RDMA device to use, e.g. `mlx5_0`; default: the first with "
+                 "an active port", "verbs_device", _device_name),
+    VerbsSetting("TF_RDMA_VERBS_PORT", "", "port of that device, in [1, 255]; "
+                 "default: its first active port", "verbs_port", _int_in(1, 255)),
+    VerbsSetting("TF_RDMA_VERBS_GID_INDEX", "",
+                 "GID index, in [0, 255]; default: InfiniBand routes by LID, "
+                 "RoCE takes the RoCE v2 GID of the interface that carries this "
+                 "task's cluster address", "verbs_gid_index", _int_in(0, 255)),
+    VerbsSetting("TF_RDMA_VERBS_MTU", "",
+                 "path MTU in bytes, one of 256, 512, 1024, 2048, 4096; "
+                 "default: the port's active MTU (the smaller end wins)",
+                 "verbs_mtu", _one_of("256", "512", "1024", "2048", "4096")),
+    VerbsSetting("TF_RDMA_VERBS_SL", "0", "InfiniBand service level, in [0, 15]",
+                 "verbs_sl", _int_in(0, 15)),
+    VerbsSetting("TF_RDMA_VERBS_TRAFFIC_CLASS", "0",
+                 "traffic class (RoCE: DSCP × 4 + ECN), in [0, 255]",
+                 "verbs_traffic_class", _int_in(0, 255)),
+    VerbsSetting("TF_RDMA_VERBS_TIMEOUT", "14",
+                 "ack timeout exponent: a try waits 4.096 µs × 2^value, in "
+                 "[1, 31] (14: 67 ms)", "verbs_timeout", _int_in(1, 31)),
+    VerbsSetting("TF_RDMA_VERBS_RETRY_COUNT", "7",
+                 "retries of an unacknowledged transfer before the pair "
+                 "fails, in [0, 7]", "verbs_retry_count", _int_in(0, 7)),
+    VerbsSetting("TF_RDMA_VERBS_QUEUE_DEPTH", "128",
+                 "send work requests in flight per pair, in [4, 32768]",
+                 "verbs_queue_depth", _int_in(4, 32768)),
+    VerbsSetting("TF_RDMA_VERBS_INLINE", "64",
+                 "payloads up to this many bytes are posted inline (no DMA "
+                 "read of the source), in [0, 1024]", "verbs_inline",
+                 _int_in(0, 1024)),
+)
+
 #: Every environment variable tf_rdma reads, in the order the docs list them.
 SETTINGS = (
     Setting("TF_RDMA_SECRET", "",
             "job secret every task and the client must share (required); "
             "`tf-rdma launch` generates one"),
     Setting("TF_RDMA_TRANSPORT", "auto",
-            "`auto` (shm when both ends are on one host, else tcp), `shm` "
-            "or `tcp`: the transports a task accepts"),
+            "`auto` (per pair: verbs when both ends can use it, else shm "
+            "when both are on one host, else tcp; verbs that is not usable "
+            "is logged once and skipped) or a comma-separated list of `verbs`, "
+            "`shm`, `tcp` in order of preference, e.g. `shm,verbs` or "
+            "`verbs` (then verbs that is not usable is an error)"),
     Setting("TF_RDMA_TIMEOUT", f"{DEFAULT_TIMEOUT_S:g}",
             "seconds any op (transfer or collective) waits for a peer before "
             "it fails, in (0, 604800]"),
@@ -46,6 +121,11 @@ SETTINGS = (
     Setting("TF_RDMA_ENDPOINTS", "",
             'JSON `{"worker:0": "host:port", ...}` to place endpoints '
             "explicitly (tf_rdma.cluster)"),
+) + tuple(
+    Setting(v.name, v.default, v.meaning) for v in VERBS_SETTINGS) + (
+    Setting("TF_RDMA_VERBS_LIBRARY", "",
+            "path of the verbs plugin to load instead of the "
+            "`_tf_rdma_verbs.so` next to the op library"),
 )
 
 
@@ -72,14 +152,43 @@ def secret(value=None, env=None):
 
 
 def transport(value=None, env=None):
-    """Returns the transport setting: `value`, else TF_RDMA_TRANSPORT, else auto."""
+    """Returns the transport setting: `value`, else TF_RDMA_TRANSPORT, else auto.
+
+    The result is "auto" or a comma-separated list of transports without
+    repeats, in order of preference (e.g. "verbs", "shm,tcp").
+    """
     env = os.environ if env is None else env
-    t = value if value is not None else env.get("TF_RDMA_TRANSPORT", "auto")
-    t = t.strip().lower()
-    if t not in TRANSPORTS:
-        raise ConfigError(f"TF_RDMA_TRANSPORT={t!r} is not one of "
-                          f"{', '.join(TRANSPORTS)}")
-    return t
+    raw = value if value is not None else env.get("TF_RDMA_TRANSPORT", "auto")
+    t = raw.strip().lower()
+    if t == "auto":
+        return t
+    names = [n.strip() for n in t.split(",")]
+    if not all(n in TRANSPORTS for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"TF_RDMA_TRANSPORT={raw!r} is not auto or a "
+                          f"comma-separated list of {', '.join(TRANSPORTS)} "
+                          f"without repeats")
+    return ",".join(names)
+
+
+def allowed_transports(setting):
+    """The transports a :func:`transport` setting allows, in order."""
+    return list(TRANSPORTS) if setting == "auto" else setting.split(",")
+
+
+def verbs_config(env=None):
+    """Returns the engine config lines of the verbs settings that are set.
+
+    Raises:
+        ConfigError: A TF_RDMA_VERBS_* value is out of range; the message
+            names the variable, the value and what is allowed.
+    """
+    env = os.environ if env is None else env
+    lines = []
+    for v in VERBS_SETTINGS:
+        raw = env.get(v.name, "").strip()
+        if raw:
+            lines.append(f"{v.key}={v.parse(v.name, raw)}")
+    return lines
 
 
 def _number(variable, value, env, default, parse, valid, expected):

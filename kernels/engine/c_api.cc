@@ -6,9 +6,11 @@
 
 #include "kernels/engine/engine.h"
 #include "kernels/engine/sha256.h"
+#include "kernels/transport/plugin.h"
 
 namespace {
 
+// Copies the status's message into err; returns its code (0 when ok).
 int Fail(const tf_rdma::Status& s, char* err, int errlen) {
   if (err != nullptr && errlen > 0) {
     std::strncpy(err, s.message().c_str(), errlen - 1);
@@ -42,6 +44,31 @@ int tfrdma_info(char* out, int outlen) {
     out[outlen - 1] = '\0';
   }
   return static_cast<int>(info.size()) + 1;
+}
+
+// Whether the verbs transport is usable in this process, as the engine would
+// decide at start: opens (and closes) the RDMA device with the verbs_* lines
+// of `config` (EngineConfig keys; other keys are ignored). Returns 0 with the
+// device's description in out, or a tf_rdma::Code with the reason.
+int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
+  std::string verbs_lines, line;
+  for (const char* p = config; *p != '\0'; ++p) {
+    if (*p != '\n') {
+      line += *p;
+      continue;
+    }
+    if (line.rfind("verbs_", 0) == 0) verbs_lines += line + "\n";
+    line.clear();
+  }
+  if (line.rfind("verbs_", 0) == 0) verbs_lines += line + "\n";
+  tf_rdma::EngineConfig c;
+  tf_rdma::Status s = tf_rdma::EngineConfig::Parse(
+      verbs_lines + "task=probe\nlisten=:0\nsecret=probe\n", &c);
+  std::unique_ptr<tf_rdma::VerbsDevice> device;
+  if (s.ok()) s = tf_rdma::OpenVerbs(c.verbs, &device);
+  if (!s.ok()) return Fail(s, out, outlen);
+  return Fail(tf_rdma::Status(tf_rdma::Code::kOk, device->Describe()), out,
+              outlen);
 }
 
 // HMAC-SHA256, exposed so that tests can check the handshake's primitive

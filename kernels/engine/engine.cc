@@ -1,5 +1,8 @@
 #include "kernels/engine/engine.h"
 
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -15,6 +18,7 @@
 #include <sstream>
 
 #include "kernels/engine/sha256.h"
+#include "kernels/transport/plugin.h"
 #include "kernels/transport/shm/pair.h"
 #include "kernels/transport/tcp/pair.h"
 
@@ -223,6 +227,110 @@ void GiveBackStep(StepCounter* steps, uint64_t step, const Status& why) {
   }
 }
 
+// A region descriptor as fields of an OPEN request ("credit_" prefix: the
+// writer's credit region) or reply (no prefix: the data region).
+void EncodeDescriptor(const RegionDescriptor& d, const std::string& prefix,
+                      std::map<std::string, std::string>* fields) {
+  (*fields)[prefix + "id"] = std::to_string(d.id);
+  (*fields)[prefix + "size"] = std::to_string(d.size);
+  (*fields)[prefix + "shm"] = d.shm_name;
+  if (d.remote_addr != 0) {
+    (*fields)[prefix + "addr"] = std::to_string(d.remote_addr);
+    (*fields)[prefix + "rkey"] = std::to_string(d.rkey);
+  }
+}
+
+RegionDescriptor DecodeDescriptor(std::map<std::string, std::string>& fields,
+                                  const std::string& prefix) {
+  RegionDescriptor d;
+  uint64_t id = 0, rkey = 0;
+  ParseUint(fields[prefix + "id"], &id);
+  ParseUint(fields[prefix + "size"], &d.size);
+  d.shm_name = fields[prefix + "shm"];
+  ParseUint(fields[prefix + "addr"], &d.remote_addr);
+  ParseUint(fields[prefix + "rkey"], &rkey);
+  d.id = static_cast<uint32_t>(id);
+  d.rkey = static_cast<uint32_t>(rkey);
+  return d;
+}
+
+// One "verbs_<name>=<value>" config line (the plugin checks the ranges).
+Status ParseVerbsSetting(const std::string& key, const std::string& value,
+                         VerbsSettings* v) {
+  if (key == "verbs_device") {
+    v->device = value;
+    return Status::Ok();
+  }
+  static const std::map<std::string, int VerbsSettings::*> kInts = {
+      {"verbs_port", &VerbsSettings::port},
+      {"verbs_gid_index", &VerbsSettings::gid_index},
+      {"verbs_mtu", &VerbsSettings::mtu},
+      {"verbs_sl", &VerbsSettings::service_level},
+      {"verbs_traffic_class", &VerbsSettings::traffic_class},
+      {"verbs_timeout", &VerbsSettings::timeout},
+      {"verbs_retry_count", &VerbsSettings::retry_count},
+      {"verbs_queue_depth", &VerbsSettings::queue_depth},
+      {"verbs_inline", &VerbsSettings::inline_bytes}};
+  uint64_t number = 0;
+  if (key == "verbs_min_memlock") {
+    if (!ParseUint(value, &number)) {
+      return InvalidArgument(key + " '" + value + "' is not a byte count");
+    }
+    v->min_memlock = number;
+    return Status::Ok();
+  }
+  bool negative = !value.empty() && value[0] == '-';
+  bool parsed = ParseUint(negative ? value.substr(1) : value, &number) &&
+                number <= (1u << 30);
+  auto it = kInts.find(key);
+  if (it == kInts.end()) {
+    return InvalidArgument("unknown engine config key '" + key + "'");
+  }
+  if (!parsed) {
+    return InvalidArgument(key + " '" + value + "' is not an integer");
+  }
+  v->*(it->second) = negative ? -static_cast<int>(number)
+                              : static_cast<int>(number);
+  return Status::Ok();
+}
+
+// True when `host` names this machine in this network namespace: loopback,
+// or an address of one of its interfaces.
+bool IsLocalHost(const std::string& host) {
+  struct addrinfo hints, *res = nullptr;
+  std::memset(&hints, 0, sizeof(hints));
+  hints.ai_family = AF_UNSPEC;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  std::set<std::string> mine;
+  struct ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) == 0) {
+    for (auto* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr) continue;
+      char text[NI_MAXHOST];
+      socklen_t len = i->ifa_addr->sa_family == AF_INET
+                          ? sizeof(sockaddr_in)
+                          : sizeof(sockaddr_in6);
+      if (getnameinfo(i->ifa_addr, len, text, sizeof(text), nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+        mine.insert(text);
+      }
+    }
+    freeifaddrs(ifs);
+  }
+  bool local = false;
+  for (auto* a = res; a != nullptr && !local; a = a->ai_next) {
+    char text[NI_MAXHOST];
+    if (getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof(text), nullptr, 0,
+                    NI_NUMERICHOST) != 0) {
+      continue;
+    }
+    std::string t = text;
+    local = mine.count(t) || t.rfind("127.", 0) == 0 || t == "::1";
+  }
+  freeaddrinfo(res);
+  return local;
+}
+
 Status CheckNewSlot(const SlotSpec& spec, const std::string& own_task) {
   TF_RDMA_RETURN_IF_ERROR(spec.Validate());
   if (spec.peer == own_task) {
@@ -256,11 +364,22 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
     } else if (key == "secret") {
       c.secret = value;
     } else if (key == "transport") {
-      if (value != "auto" && value != "shm" && value != "tcp") {
+      std::vector<std::string> names = Split(value, ',');
+      std::set<std::string> seen;
+      bool ok = !names.empty();
+      for (const std::string& t : names) {
+        ok = ok && (t == "verbs" || t == "shm" || t == "tcp") &&
+             seen.insert(t).second;
+      }
+      ok = ok || value == "auto";
+      if (!ok) {
         return InvalidArgument("transport '" + value +
-                               "' is not one of auto, shm, tcp");
+                               "' is not auto or a list of verbs, shm, tcp "
+                               "without repeats");
       }
       c.transport = value;
+    } else if (key.rfind("verbs_", 0) == 0) {
+      TF_RDMA_RETURN_IF_ERROR(ParseVerbsSetting(key, value, &c.verbs));
     } else if (key == "timeout_ms") {
       uint64_t v;
       if (!ParseUint(value, &v) || v == 0) {
@@ -367,6 +486,8 @@ Status Engine::Start(const EngineConfig& config) {
   std::string host;
   int port = 0;
   TF_RDMA_RETURN_IF_ERROR(SplitHostPort(config.listen, &host, &port));
+  config_ = config;
+  TF_RDMA_RETURN_IF_ERROR(StartVerbs(config, host));
   TF_RDMA_RETURN_IF_ERROR(Listen(host, port, &listen_fd_, &listen_port_)
                               .Prefixed("starting the tf_rdma endpoint"));
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -381,7 +502,75 @@ Status Engine::Start(const EngineConfig& config) {
   started_ = true;
   accept_thread_ = std::thread([this] { AcceptLoop(); });
   progress_thread_ = std::thread([this] { ProgressLoop(); });
+  LogExpectedTransports();
   return Status::Ok();
+}
+
+Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
+  // Caller holds mu_.
+  std::vector<std::string> wanted = config.transport == "auto"
+                                        ? std::vector<std::string>{"verbs"}
+                                        : Split(config.transport, ',');
+  if (std::find(wanted.begin(), wanted.end(), "verbs") == wanted.end()) {
+    verbs_unusable_ = "not asked for (TF_RDMA_TRANSPORT=" + config.transport +
+                      ")";
+    return Status::Ok();
+  }
+  if (verbs_) return Status::Ok();  // opened by an earlier Start
+  VerbsSettings settings = config.verbs;
+  settings.local_host = host;
+  settings.timeout_ms = config.timeout_ms;
+  Status s = OpenVerbs(settings, &verbs_);
+  if (s.ok()) {
+    verbs_unusable_.clear();
+    Log("verbs: " + verbs_->Describe());
+    return Status::Ok();
+  }
+  verbs_unusable_ = s.message();
+  if (config.transport != "auto") {
+    return FailedPrecondition("TF_RDMA_TRANSPORT=" + config.transport +
+                              " asks for verbs, but verbs cannot be used "
+                              "here: " + s.message());
+  }
+  static std::once_flag logged;  // once per process, however many starts
+  std::call_once(logged, [&] {
+    Log("verbs is not usable, so pairs use shm or tcp: " + s.message());
+  });
+  return Status::Ok();
+}
+
+void Engine::LogExpectedTransports() {
+  std::vector<std::string> allowed = AllowedTransports();
+  for (const auto& kv : config_.peers) {
+    std::string host;
+    int port = 0;
+    bool local = SplitHostPort(kv.second, &host, &port).ok() &&
+                 IsLocalHost(host);
+    std::string expected, fallback;
+    for (const std::string& t : allowed) {
+      if (t == "shm" && !local) continue;
+      if (expected.empty()) {
+        expected = t;
+      } else if (fallback.empty()) {
+        fallback = t;
+      }
+    }
+    std::string line = "pair " + config_.task + " <-> " + kv.first + " (" +
+                       kv.second + "): ";
+    if (expected.empty()) {
+      line += "no transport (only shm is allowed and the peer is on another "
+              "host)";
+    } else if (expected == "verbs") {
+      line += "verbs (" + verbs_->Describe() + ")" +
+              (fallback.empty() ? "" : ", or " + fallback +
+                                           " if the peer cannot use verbs");
+    } else {
+      line += expected + (expected == "shm" ? " (same host)"
+                          : local         ? ""
+                                          : " (another host)");
+    }
+    Log(line);
+  }
 }
 
 void Engine::Stop() {
@@ -400,6 +589,7 @@ void Engine::Stop() {
     kv.second->dead = true;
     kv.second->dead_reason = "the local endpoint was stopped";
     kv.second->cv.notify_all();
+    kv.second->pair->Close();
     shutdown(kv.first, SHUT_RDWR);
   }
   poller_recheck_.store(true);
@@ -414,6 +604,8 @@ std::string Engine::Info() {
   std::string out = "task=" + config_.task + "\n";
   out += "listen_port=" + std::to_string(listen_port_) + "\n";
   out += "transport=" + config_.transport + "\n";
+  out += "verbs=" + (verbs_ ? verbs_->Describe()
+                            : "unusable: " + verbs_unusable_) + "\n";
   for (auto& kv : by_fd_) {
     const Connection& c = *kv.second;
     out += "pair=" + (c.dialed ? config_.task + " -> " + c.peer
@@ -440,8 +632,14 @@ std::string Engine::HostId() const {
 }
 
 std::vector<std::string> Engine::AllowedTransports() const {
-  if (config_.transport == "auto") return {"shm", "tcp"};
-  return {config_.transport};
+  std::vector<std::string> out;
+  for (const std::string& t : config_.transport == "auto"
+                                  ? std::vector<std::string>{"verbs", "shm",
+                                                             "tcp"}
+                                  : Split(config_.transport, ',')) {
+    if (t != "verbs" || verbs_) out.push_back(t);
+  }
+  return out;
 }
 
 int64_t Engine::TimeoutFor(const SlotSpec& spec) const {
@@ -594,10 +792,11 @@ void Engine::Handshake(int fd) {
   conn->peer = writer;
   conn->peer_address = from;
   conn->dialed = false;
-  if (chosen == "shm") {
-    conn->pair.reset(new shm::Pair());
-  } else {
-    conn->pair.reset(new tcp::Pair(fd, &conn->send_mu));
+  Status made = MakePair(chosen, false, conn);
+  if (!made.ok()) {
+    deny(chosen + " set-up failed on " + config_.task + ": " + made.message(),
+         chosen + " set-up for " + writer + " failed: " + made.message());
+    return;
   }
   TuneSocket(fd, static_cast<int>(config_.timeout_ms));
   Log(writer + " -> " + config_.task + " uses " + chosen);
@@ -662,17 +861,54 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
   conn->peer = peer;
   conn->peer_address = it->second;
   conn->dialed = true;
-  if (f[1] == "shm") {
-    conn->pair.reset(new shm::Pair());
-  } else if (f[1] == "tcp") {
-    conn->pair.reset(new tcp::Pair(fd, &conn->send_mu));
-  } else {
-    return fail(Unavailable("peer chose unknown transport '" + f[1] + "'"));
+  std::vector<std::string> offered = AllowedTransports();
+  if (std::find(offered.begin(), offered.end(), f[1]) == offered.end()) {
+    return fail(Unavailable("peer chose transport '" + f[1] +
+                            "', which was not offered"));
   }
+  s = MakePair(f[1], true, conn);
+  if (!s.ok()) return fail(s);
   TuneSocket(fd, static_cast<int>(config_.timeout_ms));
   Log(config_.task + " -> " + peer + " uses " + f[1]);
   AddToProgress(conn);
   *out = conn;
+  return Status::Ok();
+}
+
+// The verbs leg of the handshake: each side sends "VERBS <address>" (its
+// queue pair's LID, GID, QP number, PSN and MTU), the dialling side first;
+// the accepting side brings its queue pair up before it answers, so that it
+// is ready to receive by the time the dialling side can send.
+Status Engine::MakePair(const std::string& transport, bool dialed,
+                        const std::shared_ptr<Connection>& conn) {
+  if (transport == "shm") {
+    conn->pair.reset(new shm::Pair());
+    return Status::Ok();
+  }
+  if (transport == "tcp") {
+    conn->pair.reset(new tcp::Pair(conn->fd, &conn->send_mu));
+    return Status::Ok();
+  }
+  std::unique_ptr<VerbsPair> pair;
+  TF_RDMA_RETURN_IF_ERROR(verbs_->NewPair(&pair).Prefixed(
+      "setting up a verbs queue pair for " + conn->peer));
+  std::string mine = "VERBS " + pair->address() + "\n";
+  std::string line;
+  if (dialed) TF_RDMA_RETURN_IF_ERROR(SendAll(conn->fd, mine.data(), mine.size()));
+  TF_RDMA_RETURN_IF_ERROR(RecvLine(conn->fd, &line, kMaxLine));
+  if (line.rfind("DENIED ", 0) == 0) {
+    return Unavailable("refused: " + line.substr(7));
+  }
+  if (line.rfind("VERBS ", 0) != 0) {
+    return Unavailable("expected the peer's verbs address, got '" +
+                       line.substr(0, 60) + "'");
+  }
+  TF_RDMA_RETURN_IF_ERROR(pair->Connect(line.substr(6)).Prefixed(
+      "connecting the verbs queue pair to " + conn->peer));
+  if (!dialed) {
+    TF_RDMA_RETURN_IF_ERROR(SendAll(conn->fd, mine.data(), mine.size()));
+  }
+  conn->pair = std::move(pair);
   return Status::Ok();
 }
 
@@ -715,6 +951,16 @@ void Engine::AddToProgress(const std::shared_ptr<Connection>& conn) {
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.fd = conn->fd;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn->fd, &ev);
+  int notice_fd = conn->pair->notice_fd();
+  if (notice_fd >= 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      by_notice_fd_[notice_fd] = conn;
+    }
+    ev.events = EPOLLIN;
+    ev.data.fd = notice_fd;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, notice_fd, &ev);
+  }
 }
 
 void Engine::ProgressLoop() {
@@ -724,13 +970,24 @@ void Engine::ProgressLoop() {
     for (int i = 0; i < n && !stopping_; ++i) {
       if (events[i].data.fd == wake_fd_) continue;
       std::shared_ptr<Connection> conn;
+      bool notices = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = by_fd_.find(events[i].data.fd);
-        if (it == by_fd_.end()) continue;
-        conn = it->second;
+        if (it != by_fd_.end()) {
+          conn = it->second;
+        } else {
+          auto nt = by_notice_fd_.find(events[i].data.fd);
+          if (nt == by_notice_fd_.end()) continue;
+          conn = nt->second;
+          notices = true;
+        }
       }
-      HandleFrame(conn);
+      if (notices) {
+        HandleNotices(conn);
+      } else {
+        HandleFrame(conn);
+      }
     }
   }
 }
@@ -775,6 +1032,38 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
   if (!s.ok()) CloseConnection(conn, s);
 }
 
+void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (conn->dead) return;
+  }
+  std::vector<Notice> notices;
+  Status received = conn->pair->TakeNotices(&notices);
+  Status s;
+  for (const Notice& n : notices) {
+    Region* region = RegionForPeer(*conn, n.region_id);
+    if (region == nullptr) {
+      s = PermissionDenied("notice for region id " +
+                           std::to_string(n.region_id) +
+                           ", which this peer was never given");
+      break;
+    }
+    if (!region->Contains(n.offset, 8) || n.offset % 8 != 0) {
+      s = InvalidArgument("notice at offset " + std::to_string(n.offset) +
+                          " is outside region " + region->shm_name() +
+                          " of " + std::to_string(region->size()) + " bytes");
+      break;
+    }
+    PublishWord(region->Word(n.offset), n.seq);
+  }
+  if (!s.ok()) {
+    Log("rejected notice from " + conn->peer + ": " + s.message());
+    CloseConnection(conn, s);
+  } else if (!received.ok()) {
+    CloseConnection(conn, received);
+  }
+}
+
 void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
                              const Status& why) {
   {
@@ -796,6 +1085,10 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
         ": " + why.message());
   }
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd, nullptr);
+  if (conn->pair->notice_fd() >= 0) {
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->pair->notice_fd(), nullptr);
+  }
+  conn->pair->Close();
   shutdown(conn->fd, SHUT_RDWR);
   // Waits on this peer fail now, not at their next periodic check.
   poller_recheck_.store(true);
@@ -944,9 +1237,9 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
   if (s.ok() && conn->dialed) {
     s = FailedPrecondition("OPEN request on a connection we dialled");
   }
+  LocalRegion* region = nullptr;
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    LocalRegion* region = nullptr;
     s = FindOrCreateDataRegion(f["name"], size, f["plan_hash"], conn->peer,
                                &region);
     if (s.ok() && region->writer && region->writer != conn) {
@@ -954,10 +1247,9 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                              "' already has a connected writer");
     }
     if (s.ok() && !region->writer) {
-      RegionDescriptor credits;
+      RegionDescriptor credits = DecodeDescriptor(f, "credit_");
       credits.id = static_cast<uint32_t>(credit_id);
       credits.size = credit_size;
-      credits.shm_name = f["credit_shm"];
       int handle = -1;
       s = conn->pair->AddRemoteRegion(credits, &handle);
       if (s.ok()) {
@@ -965,13 +1257,15 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
         region->credit_handle = handle;
       }
     }
-    if (s.ok()) {
-      std::lock_guard<std::mutex> cl(conn->mu);
-      conn->peer_writable.insert(region->id);
-      reply["id"] = std::to_string(region->id);
-      reply["size"] = std::to_string(region->memory->size());
-      reply["shm"] = region->memory->shm_name();
-    }
+  }
+  // Outside mu_: verbs registers the region here (pins it, once), which
+  // takes a while for a large one.
+  RegionDescriptor exposed;
+  if (s.ok()) s = conn->pair->Expose(region->id, *region->memory, &exposed);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> cl(conn->mu);
+    conn->peer_writable.insert(region->id);
+    EncodeDescriptor(exposed, "", &reply);
   }
   FrameHeader h;
   h.type = kOpenReply;
@@ -1057,23 +1351,14 @@ Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
                                 const std::string& plan_hash,
                                 uint32_t credits_id, const Region& credits,
                                 const Deadline& deadline, int* handle) {
+  RegionDescriptor exposed;
+  TF_RDMA_RETURN_IF_ERROR(conn->pair->Expose(credits_id, credits, &exposed));
+  std::map<std::string, std::string> request = {
+      {"name", name}, {"size", std::to_string(size)}, {"plan_hash", plan_hash}};
+  EncodeDescriptor(exposed, "credit_", &request);
   std::map<std::string, std::string> reply;
-  TF_RDMA_RETURN_IF_ERROR(Request(
-      conn,
-      {{"name", name},
-       {"size", std::to_string(size)},
-       {"plan_hash", plan_hash},
-       {"credit_id", std::to_string(credits_id)},
-       {"credit_size", std::to_string(credits.size())},
-       {"credit_shm", credits.shm_name()}},
-      deadline, &reply));
-  RegionDescriptor remote;
-  uint64_t id = 0;
-  ParseUint(reply["id"], &id);
-  remote.id = static_cast<uint32_t>(id);
-  ParseUint(reply["size"], &remote.size);
-  remote.shm_name = reply["shm"];
-  return conn->pair->AddRemoteRegion(remote, handle);
+  TF_RDMA_RETURN_IF_ERROR(Request(conn, request, deadline, &reply));
+  return conn->pair->AddRemoteRegion(DecodeDescriptor(reply, ""), handle);
 }
 
 Status Engine::OpenSendRegion(const SlotSpec& spec,

@@ -41,6 +41,7 @@
 #include "kernels/engine/wait.h"
 #include "kernels/engine/wire.h"
 #include "kernels/transport/transport.h"
+#include "kernels/transport/verbs/device.h"
 
 namespace tf_rdma {
 
@@ -85,10 +86,13 @@ struct EngineConfig {
   std::string task;               // this process, "/job:worker/task:0"
   std::string listen;             // "host:port" of the endpoint (port 0: any)
   std::string secret;             // the job secret (TF_RDMA_SECRET)
-  std::string transport = "auto";  // auto | shm | tcp
+  // "auto" (verbs if usable, then shm, then tcp) or the transports allowed,
+  // in order of preference: "verbs", "shm,tcp", ...
+  std::string transport = "auto";
   int64_t timeout_ms = 60000;     // default bound of every wait
   int64_t poll_us = 50;           // recv polls this long before handing off
   std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
+  VerbsSettings verbs;            // verbs_* keys
 
   // Parses "key=value" lines; "peer=<task> <host:port>" may repeat.
   static Status Parse(const std::string& text, EngineConfig* out);
@@ -217,6 +221,12 @@ class Engine {
   void ProgressLoop();
   void AddToProgress(const std::shared_ptr<Connection>& conn);
   void HandleFrame(const std::shared_ptr<Connection>& conn);
+  // Publishes the notices a verbs pair received (progress thread).
+  void HandleNotices(const std::shared_ptr<Connection>& conn);
+  // Makes the pair of the transport both ends chose; verbs exchanges the
+  // queue pair addresses on `fd` first (the dialling side speaks first).
+  Status MakePair(const std::string& transport, bool dialed,
+                  const std::shared_ptr<Connection>& conn);
   void CloseConnection(const std::shared_ptr<Connection>& conn,
                        const Status& why);
   Status Request(const std::shared_ptr<Connection>& conn,
@@ -274,6 +284,12 @@ class Engine {
   int64_t TimeoutFor(const SlotSpec& spec) const;
   std::string HostId() const;
   std::vector<std::string> AllowedTransports() const;
+  // Opens the RDMA device when the transport setting allows verbs. An error
+  // only when the setting names verbs and it is unusable; under "auto" the
+  // reason is logged and kept (Info) and the pairs use shm or tcp.
+  Status StartVerbs(const EngineConfig& config, const std::string& host);
+  // Logs, one line per peer, the transport its pair is expected to use.
+  void LogExpectedTransports();
 
   EngineConfig config_;
   std::atomic<bool> started_{false};
@@ -289,6 +305,11 @@ class Engine {
   std::map<std::string, std::shared_ptr<Connection>> dialed_;  // by peer task
   std::map<std::string, std::unique_ptr<std::mutex>> dial_mu_;
   std::map<int, std::shared_ptr<Connection>> by_fd_;
+  // Connections whose notices arrive as messages (verbs), by notice fd.
+  std::map<int, std::shared_ptr<Connection>> by_notice_fd_;
+  // The RDMA device (opened once per process), or why it is not used.
+  std::unique_ptr<VerbsDevice> verbs_;
+  std::string verbs_unusable_;
   std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
   std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
   std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;

@@ -18,10 +18,12 @@
 //            receiver's progress thread reads the payload straight into the
 //            region (bounds-checked there) and publishes the word.
 //   - verbs: RDMA WRITE into the registered region (remote address + rkey
-//            travel in the region descriptor), then the notice as an 8-byte
-//            RDMA WRITE fenced behind it (or WRITE_WITH_IMM); completions are
-//            polled by the progress thread. Regions are registered once
-//            (they are created once, never on the data path).
+//            travel in the region descriptor), then the notice as a small
+//            SEND on the same RC queue pair; the reader's progress thread
+//            takes it from the completion queue and publishes the word
+//            (verbs/pair.h says why not WRITE_WITH_IMM or a fenced write).
+//            Regions are registered once, when first exposed to a verbs
+//            peer (they are created once, never on the data path).
 // A pair is created after the bootstrap handshake on the control connection
 // (engine.cc) has authenticated the peer and chosen the backend; the control
 // connection carries the region descriptors.
@@ -30,7 +32,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "kernels/engine/region.h"
 #include "kernels/engine/status.h"
 
 namespace tf_rdma {
@@ -44,12 +48,32 @@ struct RegionDescriptor {
   uint32_t rkey = 0;         // verbs: the remote key
 };
 
-// One connected peer, as seen by the side that writes.
+// A notice that arrived as a message (verbs): "make the word at `offset` of
+// our region `region_id` equal to `seq`". The engine checks it against the
+// regions this peer may write before it publishes it.
+struct Notice {
+  uint32_t region_id = 0;
+  uint32_t reserved = 0;
+  uint64_t offset = 0;
+  uint64_t seq = 0;
+};
+
+// One connected peer. Both ends of a connection hold one: the writer of data
+// writes payloads through it, the reader writes credits back through it.
 class Pair {
  public:
   virtual ~Pair() = default;
   // "shm", "tcp" or "verbs".
   virtual const char* transport() const = 0;
+  // Describes our region `id` so that the peer can write it (verbs also
+  // registers it with the NIC, once per process).
+  virtual Status Expose(uint32_t id, const Region& region,
+                        RegionDescriptor* out) {
+    out->id = id;
+    out->size = region.size();
+    out->shm_name = region.shm_name();
+    return Status::Ok();
+  }
   // Makes a peer region writable through this pair; returns its handle.
   virtual Status AddRemoteRegion(const RegionDescriptor& region,
                                  int* handle) = 0;
@@ -57,6 +81,13 @@ class Pair {
   virtual Status Write(int handle, uint64_t offset, const void* src,
                        uint64_t nbytes, uint64_t notice_offset,
                        uint64_t seq) = 0;
+  // Backends whose notices arrive as messages (verbs): a file descriptor the
+  // progress thread watches, and the call that drains what arrived. Others:
+  // -1, and nothing to drain.
+  virtual int notice_fd() const { return -1; }
+  virtual Status TakeNotices(std::vector<Notice>* out) { return Status::Ok(); }
+  // The connection is gone: fail writes in flight and refuse new ones.
+  virtual void Close() {}
 };
 
 }  // namespace tf_rdma
