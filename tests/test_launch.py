@@ -382,7 +382,7 @@ def test_server_failing_at_start(launches):
         r"^tf-rdma launch: the server for /job:worker/task:0 exited with status 2 before it was ready"
     )
     # The server's own error line, as it printed it, under the launcher's report.
-    launch.wait_for(r"^    \[worker:0\] tf_rdma server: TF_RDMA_TRANSPORT='bogus' is not one of")
+    launch.wait_for(r"^    \[worker:0\] tf_rdma server: TF_RDMA_TRANSPORT='bogus' is not auto or a comma-separated list of")
     # Quickly: as soon as the server exited, not after --timeout-start.
     error_at, _ = launch.wait_for(r"^\[worker:0\] tf_rdma server: TF_RDMA_TRANSPORT='bogus'")
     assert launch.ended - error_at < 10, launch.output()

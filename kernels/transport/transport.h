@@ -31,6 +31,7 @@
 #define TF_RDMA_TRANSPORT_TRANSPORT_H_
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,45 @@ struct Notice {
   uint32_t reserved = 0;
   uint64_t offset = 0;
   uint64_t seq = 0;
+};
+
+// The peer's regions a pair was given, by handle, for the backends whose
+// writes leave the process (tcp, verbs): each write is checked here against
+// the region's size before a byte is sent, and again by the receiver.
+// Header-only: the verbs plugin uses it too.
+class RemoteRegions {
+ public:
+  int Add(const RegionDescriptor& region) {
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_.push_back(region);
+    return static_cast<int>(regions_.size()) - 1;
+  }
+  // Copies out the region of `handle` if the write fits it.
+  Status Find(int handle, uint64_t offset, uint64_t nbytes,
+              uint64_t notice_offset, RegionDescriptor* out) const {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (handle < 0 || handle >= static_cast<int>(regions_.size())) {
+        return InvalidArgument("no remote region with handle " +
+                               std::to_string(handle));
+      }
+      *out = regions_[handle];
+    }
+    if (offset > out->size || nbytes > out->size - offset || out->size < 8 ||
+        notice_offset % 8 != 0 || notice_offset > out->size - 8) {
+      return InvalidArgument("write of " + std::to_string(nbytes) +
+                             " bytes at offset " + std::to_string(offset) +
+                             " (notice at " + std::to_string(notice_offset) +
+                             ") does not fit remote region " +
+                             std::to_string(out->id) + " of " +
+                             std::to_string(out->size) + " bytes");
+    }
+    return Status::Ok();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<RegionDescriptor> regions_;
 };
 
 // One connected peer. Both ends of a connection hold one: the writer of data

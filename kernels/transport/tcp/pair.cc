@@ -6,31 +6,15 @@ namespace tf_rdma {
 namespace tcp {
 
 Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
-  std::lock_guard<std::mutex> lock(mu_);
-  regions_.push_back(region);
-  *handle = static_cast<int>(regions_.size()) - 1;
+  *handle = regions_.Add(region);
   return Status::Ok();
 }
 
 Status Pair::Write(int handle, uint64_t offset, const void* src,
                    uint64_t nbytes, uint64_t notice_offset, uint64_t seq) {
   RegionDescriptor region;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (handle < 0 || handle >= static_cast<int>(regions_.size())) {
-      return InvalidArgument("no remote region with handle " +
-                             std::to_string(handle));
-    }
-    region = regions_[handle];
-  }
-  if (offset > region.size || nbytes > region.size - offset ||
-      notice_offset % 8 != 0 || notice_offset > region.size - 8) {
-    return InvalidArgument("write of " + std::to_string(nbytes) +
-                           " bytes at offset " + std::to_string(offset) +
-                           " does not fit remote region " +
-                           std::to_string(region.id) + " of " +
-                           std::to_string(region.size) + " bytes");
-  }
+  TF_RDMA_RETURN_IF_ERROR(
+      regions_.Find(handle, offset, nbytes, notice_offset, &region));
   FrameHeader h;
   h.type = kWrite;
   h.a = region.id;

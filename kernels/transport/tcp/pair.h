@@ -12,7 +12,6 @@
 
 #include <functional>
 #include <mutex>
-#include <vector>
 
 #include "kernels/engine/region.h"
 #include "kernels/engine/wire.h"
@@ -34,8 +33,7 @@ class Pair : public ::tf_rdma::Pair {
  private:
   int fd_;
   std::mutex* send_mu_;
-  std::mutex mu_;
-  std::vector<RegionDescriptor> regions_;  // indexed by handle
+  RemoteRegions regions_;
 };
 
 // Returns the local region a peer may write with this id, or nullptr.

@@ -298,9 +298,7 @@ Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
     return InvalidArgument("the peer's region " + std::to_string(region.id) +
                            " came without an RDMA address and key");
   }
-  std::lock_guard<std::mutex> lock(remote_mu_);
-  remote_.push_back(region);
-  *handle = static_cast<int>(remote_.size()) - 1;
+  *handle = remote_.Add(region);
   return Status::Ok();
 }
 
@@ -361,28 +359,13 @@ Status Pair::Post(ibv_send_wr* wr, const Deadline& deadline) {
 Status Pair::Write(int handle, uint64_t offset, const void* src,
                    uint64_t nbytes, uint64_t notice_offset, uint64_t seq) {
   RegionDescriptor region;
-  {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    if (handle < 0 || handle >= static_cast<int>(remote_.size())) {
-      return InvalidArgument("no remote region with handle " +
-                             std::to_string(handle));
-    }
-    region = remote_[handle];
-  }
+  TF_RDMA_RETURN_IF_ERROR(
+      remote_.Find(handle, offset, nbytes, notice_offset, &region));
   std::lock_guard<std::mutex> lock(write_mu_);
   if (closed_) {
     ReleaseStaging();
     return error_.ok() ? Unavailable("the verbs connection was closed")
                        : error_;
-  }
-  if (offset > region.size || nbytes > region.size - offset ||
-      region.size < 8 || notice_offset % 8 != 0 ||
-      notice_offset > region.size - 8) {
-    return InvalidArgument("write of " + std::to_string(nbytes) +
-                           " bytes at offset " + std::to_string(offset) +
-                           " does not fit remote region " +
-                           std::to_string(region.id) + " of " +
-                           std::to_string(region.size) + " bytes");
   }
   Deadline deadline(context_->settings().timeout_ms);
   ibv_sge sge;

@@ -90,8 +90,7 @@ class Pair : public VerbsPair {
   uint8_t* receives_ = nullptr;
   ibv_mr* receives_mr_ = nullptr;
 
-  std::mutex remote_mu_;
-  std::vector<RegionDescriptor> remote_;  // indexed by handle
+  RemoteRegions remote_;
 
   std::mutex write_mu_;  // one Write at a time; guards the fields below
   int outstanding_ = 0;  // posted send requests not yet completed
