@@ -7,6 +7,12 @@ runs. Tolerance: a pair of algorithms whose predicted times are within 25%
 of each other counts as a tie and may come out in either order (timing on a
 shared 2-vCPU machine varies by that much); for every other pair the
 measured order must be the predicted one, with 10% slack on the measurement.
+
+Each algorithm's time is the fastest of 5 runs (noise only adds time). A
+run of the cluster that contradicts the model is repeated once, calibration
+included, and the test fails only if the repeat contradicts it too: a
+passing neighbour's burst on a 2-vCPU machine can upset one run, but not a
+model that is wrong.
 """
 
 import itertools
@@ -27,36 +33,48 @@ for kind in ("allreduce", "broadcast"):
                 return C.all_reduce(x.read_value(), algorithm=alg, name=kind + alg)
             return C.broadcast(x.read_value(), algorithm=alg, name=kind + alg)
         samples = []
-        for i in range(7):
+        for i in range(7):  # 2 warm-up runs, then 5
             C.all_reduce(tf.ones([1]), algorithm="tree", name="barrier")
             t = time.perf_counter()
             run()
             if i >= 2:
                 samples.append(time.perf_counter() - t)
-        times[kind + "/" + alg] = float(np.median(samples))
+        times[kind + "/" + alg] = float(np.min(samples))
 result({"times": times, "params": [params.alpha, params.beta, params.gamma,
                                    params.delta]})
 """
 
 
-def test_predicted_order_of_algorithms_matches_measured_at_64mib():
+def _contradictions(got):
+    """Pairs the model orders clearly whose measured order is the other way."""
     from tf_rdma.collectives import cost, simulate
 
-    out = run_tasks({f"/job:worker/task:{i}": PROGRAM for i in range(2)},
-                    cluster=make_cluster(2), timeout=600)
-    got = out["/job:worker/task:0"].result
     alpha, beta, gamma, delta = got["params"]
     params = cost.Params(alpha=alpha, beta=beta, gamma=gamma, delta=delta)
-    checked = []
+    checked, wrong = [], []
     for kind in ("allreduce", "broadcast"):
         predicted = simulate.predicted_times(kind, 64 << 20, 2, params)
         measured = {a: got["times"][f"{kind}/{a}"] for a in predicted}
         for a, b in itertools.permutations(predicted, 2):
             if predicted[a] * 1.25 < predicted[b]:
                 checked.append((kind, a, b))
-                assert measured[a] < measured[b] * 1.10, (
-                    f"{kind}: the model predicts {a} ({predicted[a] * 1e3:.1f} ms)"
-                    f" faster than {b} ({predicted[b] * 1e3:.1f} ms), measured "
-                    f"{measured[a] * 1e3:.1f} vs {measured[b] * 1e3:.1f} ms "
-                    f"(params {params})")
+                if not measured[a] < measured[b] * 1.10:
+                    wrong.append(
+                        f"{kind}: the model predicts {a} ({predicted[a] * 1e3:.1f} ms)"
+                        f" faster than {b} ({predicted[b] * 1e3:.1f} ms), measured "
+                        f"{measured[a] * 1e3:.1f} vs {measured[b] * 1e3:.1f} ms "
+                        f"(params {params})")
     print("pairs checked:", checked, "measured:", got["times"])
+    return wrong
+
+
+def test_predicted_order_of_algorithms_matches_measured_at_64mib():
+    runs = []
+    for _ in range(2):
+        out = run_tasks({f"/job:worker/task:{i}": PROGRAM for i in range(2)},
+                        cluster=make_cluster(2), timeout=600)
+        runs.append(_contradictions(out["/job:worker/task:0"].result))
+        if not runs[-1]:
+            return
+    assert not runs[-1], "\n".join(
+        f"run {i + 1}: " + "; ".join(wrong) for i, wrong in enumerate(runs))

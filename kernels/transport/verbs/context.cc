@@ -115,6 +115,45 @@ std::string Ipv4Text(const ibv_gid& gid) {
   return text;
 }
 
+// How well a port suits this endpoint: 2 when it is active and has a GID
+// with one of the endpoint's IPv4 addresses (RoCE), 1 when it is active,
+// 0 otherwise.
+int PortScore(ibv_context* context, uint8_t port, const ibv_port_attr& attr,
+              const std::set<uint32_t>& local) {
+  if (attr.state != IBV_PORT_ACTIVE) return 0;
+  if (attr.link_layer != IBV_LINK_LAYER_ETHERNET || local.empty()) return 1;
+  for (int i = 0; i < attr.gid_tbl_len; ++i) {
+    ibv_gid_entry entry;
+    if (ibv_query_gid_ex(context, port, i, &entry, 0) != 0) continue;
+    uint32_t addr;
+    std::memcpy(&addr, entry.gid.raw + 12, 4);
+    if (IsIpv4Mapped(entry.gid) && local.count(addr)) return 2;
+  }
+  return 1;
+}
+
+// The best PortScore of a device's ports (only `port` if non-zero), opening
+// the device just to look.
+int DeviceScore(ibv_device* device, int port, const std::set<uint32_t>& local) {
+  ibv_context* context = ibv_open_device(device);
+  if (context == nullptr) return 0;
+  int best = 0;
+  ibv_device_attr attr;
+  if (ibv_query_device(context, &attr) == 0) {
+    for (int p = 1; p <= attr.phys_port_cnt; ++p) {
+      ibv_port_attr port_attr;
+      if ((port != 0 && port != p) ||
+          ibv_query_port(context, static_cast<uint8_t>(p), &port_attr) != 0) {
+        continue;
+      }
+      best = std::max(best, PortScore(context, static_cast<uint8_t>(p),
+                                      port_attr, local));
+    }
+  }
+  ibv_close_device(context);
+  return best;
+}
+
 ibv_mtu MtuFromBytes(int bytes) {
   switch (bytes) {
     case 256: return IBV_MTU_256;
@@ -148,10 +187,20 @@ Status Context::Open(const VerbsSettings& settings,
   }
   std::unique_ptr<Context> c(new Context());
   c->settings_ = settings;
+  c->local_ = Ipv4Of(settings.local_host);
+  // The named device; else the one whose active port carries the
+  // endpoint's address (multi-NIC hosts), else the first with an active
+  // port, else the first (whose ports' states then explain the failure).
   ibv_device* chosen = nullptr;
-  for (int i = 0; i < n && chosen == nullptr; ++i) {
-    if (settings.device.empty() ||
-        settings.device == ibv_get_device_name(list[i])) {
+  int best = -1;
+  for (int i = 0; i < n; ++i) {
+    if (!settings.device.empty()) {
+      if (settings.device == ibv_get_device_name(list[i])) chosen = list[i];
+      continue;
+    }
+    int score = n == 1 ? 0 : DeviceScore(list[i], settings.port, c->local_);
+    if (score > best) {
+      best = score;
       chosen = list[i];
     }
   }
@@ -204,7 +253,11 @@ Status Context::ChoosePort() {
         std::to_string(std::min(device.max_qp_wr, device.max_cqe)) +
         " work requests per queue)");
   }
+  // The asked-for port; else the active port that carries the endpoint's
+  // address, else the first active one.
   std::string states;
+  int best_score = 0;
+  ibv_port_attr best;
   for (int p = 1; p <= device.phys_port_cnt; ++p) {
     if (settings_.port != 0 && settings_.port != p) continue;
     ibv_port_attr attr;
@@ -218,12 +271,19 @@ Status Context::ChoosePort() {
                 std::to_string(p) + " is " + ibv_port_state_str(attr.state);
       continue;
     }
-    port_ = static_cast<uint8_t>(p);
-    ethernet_ = attr.link_layer == IBV_LINK_LAYER_ETHERNET;
-    lid_ = attr.lid;
-    gid_tbl_len_ = attr.gid_tbl_len;
-    max_message_ = attr.max_msg_sz;
-    mtu_ = attr.active_mtu;
+    int score = PortScore(context_, static_cast<uint8_t>(p), attr, local_);
+    if (score > best_score) {
+      best_score = score;
+      best = attr;
+      port_ = static_cast<uint8_t>(p);
+    }
+  }
+  if (best_score > 0) {
+    ethernet_ = best.link_layer == IBV_LINK_LAYER_ETHERNET;
+    lid_ = best.lid;
+    gid_tbl_len_ = best.gid_tbl_len;
+    max_message_ = best.max_msg_sz;
+    mtu_ = best.active_mtu;
     if (settings_.mtu != 0 && MtuFromBytes(settings_.mtu) < mtu_) {
       mtu_ = MtuFromBytes(settings_.mtu);
     }
@@ -275,7 +335,7 @@ Status Context::ChooseGid() {
     gid_what_ = "LID " + std::to_string(lid_);
     return Status::Ok();
   }
-  std::set<uint32_t> local = Ipv4Of(settings_.local_host);
+  const std::set<uint32_t>& local = local_;
   int best = -1, best_rank = 0;
   ibv_gid best_gid = {};
   for (int i = 0; i < gid_tbl_len_; ++i) {

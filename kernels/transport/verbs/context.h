@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "kernels/transport/verbs/device.h"
@@ -57,6 +58,7 @@ class Context : public VerbsDevice {
   Status ChooseGid();
 
   VerbsSettings settings_;
+  std::set<uint32_t> local_;  // IPv4 addresses of settings_.local_host
   std::string name_;
   ibv_context* context_ = nullptr;
   ibv_pd* pd_ = nullptr;
