@@ -65,10 +65,11 @@ def _device_name(name, raw):
 #: list them. Unset: the default (in the engine).
 VERBS_SETTINGS = (
     VerbsSetting("TF_RDMA_VERBS_DEVICE", "",
-                 "RDMA device to use, e.g. `mlx5_0`; default: the first with "
-                 "an active port", "verbs_device", _device_name),
+                 "RDMA device to use, e.g. `mlx5_0`; default: the one whose "
+                 "active port carries this task's cluster address (RoCE), else "
+                 "the first with an active port", "verbs_device", _device_name),
     VerbsSetting("TF_RDMA_VERBS_PORT", "", "port of that device, in [1, 255]; "
-                 "default: its first active port", "verbs_port", _int_in(1, 255)),
+                 "default: chosen the same way", "verbs_port", _int_in(1, 255)),
     VerbsSetting("TF_RDMA_VERBS_GID_INDEX", "",
                  "GID index, in [0, 255]; default: InfiniBand routes by LID, "
                  "RoCE takes the RoCE v2 GID of the interface that carries this "
