@@ -1533,6 +1533,7 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
                                 data, nbytes, copy, ticket.step);
   }
   if (!s.ok()) {
+    if (slot->conn->pair->broken()) CloseConnection(slot->conn, s);
     Status alive = CheckPeerAlive(slot->conn, what);
     return alive.ok() ? s.Prefixed(what) : alive;
   }
@@ -1719,6 +1720,7 @@ void Engine::Release(const RecvTicket& ticket) {
                   CopyOf(spec, ticket.step);
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
                                  line * kCreditLineBytes, ticket.step);
+  if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
     Log("could not return the credit of " + spec.Describe(ticket.step) + ": " +
         s.message());

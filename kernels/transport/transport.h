@@ -128,6 +128,10 @@ class Pair {
   virtual Status TakeNotices(std::vector<Notice>* out) { return Status::Ok(); }
   // The connection is gone: fail writes in flight and refuse new ones.
   virtual void Close() {}
+  // True once a failed write left the pair unusable (verbs: the queue pair
+  // is in the error state); the engine then closes the connection, so that
+  // the peer learns it too.
+  virtual bool broken() const { return false; }
 };
 
 }  // namespace tf_rdma

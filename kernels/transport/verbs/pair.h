@@ -63,6 +63,7 @@ class Pair : public VerbsPair {
   int notice_fd() const override;
   Status TakeNotices(std::vector<Notice>* out) override;
   void Close() override;
+  bool broken() const override { return closed_; }
 
  private:
   explicit Pair(Context* context) : context_(context) {}
