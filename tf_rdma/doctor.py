@@ -568,16 +568,20 @@ def _load_cluster(cluster_json, env):
     return None, None
 
 
-def engine_verbs_status(env=None):
+def engine_verbs_status(env=None, host=None):
     """Asks the engine whether verbs is usable here (:func:`tf_rdma.server.verbs_status`).
 
     Where the op library itself cannot load, verbs counts as unusable and
     the reason says why.
+
+    Args:
+        env: The environment (TF_RDMA_VERBS_*; default ``os.environ``).
+        host: The task's host, whose address picks the device and GID.
     """
     from tf_rdma import server  # pylint: disable=import-outside-toplevel
 
     try:
-        return server.verbs_status(env)
+        return server.verbs_status(env, host)
     except LibraryError as err:
         return {"available": False, "device": None,
                 "reason": f"the op library does not load, so the engine was not asked: {err}"}
@@ -603,7 +607,7 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
             TF_CONFIG's task; None: every pair of tasks is reported.
         env: The environment (default ``os.environ``).
         verbs: ``{"available", "device", "reason"}`` for this host; default:
-            :func:`engine_verbs_status`.
+            :func:`engine_verbs_status` (with this task's host, if known).
         local: Names/addresses of this machine (default :func:`local_addresses`).
 
     Returns:
@@ -619,14 +623,14 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
     env = os.environ if env is None else env
     setting = settings.transport(env=env)
     allowed = settings.allowed_transports(setting)
-    if verbs is None:
-        verbs = engine_verbs_status(env)
     result = {"setting": setting, "cluster_source": None, "task": None, "tasks": [], "pairs": [],
               "verbs": verbs}
     cluster, source = _load_cluster(cluster_json, env)
     if cluster is None:
         if task:
             raise ConfigError(f"--task {task!r} given without a cluster: pass --cluster or set TF_CONFIG")
+        if verbs is None:
+            result["verbs"] = engine_verbs_status(env)
         return result
     result["cluster_source"] = source
     local = local_addresses() if local is None else local
@@ -647,6 +651,10 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
         me = cluster_lib.canonical_task(*mine) if mine else None
     result["task"] = me
     result["tasks"] = [{k: t[k] for k in ("task", "address", "host_kind")} for t in tasks]
+    if verbs is None:
+        # This task's host picks the device and GID, as its endpoint would.
+        host = next((t["host"] for t in tasks if t["task"] == me), None)
+        verbs = result["verbs"] = engine_verbs_status(env, host)
     forced = "" if setting == "auto" else f" (TF_RDMA_TRANSPORT={setting})"
     start_fails = None
     if setting != "auto" and "verbs" in allowed and not verbs["available"]:

@@ -92,7 +92,7 @@ def endpoint_info():
     return info
 
 
-def verbs_status(env=None):
+def verbs_status(env=None, host=None):
     """Says whether the verbs transport is usable in this process, and why not.
 
     Asks the engine itself: it loads the verbs plugin and opens the RDMA
@@ -101,6 +101,8 @@ def verbs_status(env=None):
 
     Args:
         env: The environment to read TF_RDMA_VERBS_* from (default os.environ).
+        host: The host a task's endpoint listens on; its address picks the
+            device and GID where several could serve (default: none).
 
     Returns:
         ``{"available": bool, "device": description or None, "reason": why
@@ -110,7 +112,10 @@ def verbs_status(env=None):
         ConfigError: A TF_RDMA_VERBS_* value is out of range.
         LibraryError: The op library cannot be loaded.
     """
-    config = "\n".join(settings.verbs_config(env)).encode()
+    lines = settings.verbs_config(env)
+    if host:
+        lines.append(f"listen={host}:0")
+    config = "\n".join(lines).encode()
     out = ctypes.create_string_buffer(4096)
     rc = _loader.load().c.tfrdma_verbs_probe(config, out, len(out))
     text = out.value.decode(errors="replace")

@@ -48,22 +48,27 @@ int tfrdma_info(char* out, int outlen) {
 
 // Whether the verbs transport is usable in this process, as the engine would
 // decide at start: opens (and closes) the RDMA device with the verbs_* lines
-// of `config` (EngineConfig keys; other keys are ignored). Returns 0 with the
-// device's description in out, or a tf_rdma::Code with the reason.
+// of `config` (EngineConfig keys; a listen= line gives the host whose
+// address picks the device and GID; other keys are ignored). Returns 0 with
+// the device's description in out, or a tf_rdma::Code with the reason.
 int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
-  std::string verbs_lines, line;
+  std::string verbs_lines, line, listen = ":0";
   for (const char* p = config; *p != '\0'; ++p) {
     if (*p != '\n') {
       line += *p;
       continue;
     }
     if (line.rfind("verbs_", 0) == 0) verbs_lines += line + "\n";
+    if (line.rfind("listen=", 0) == 0) listen = line.substr(7);
     line.clear();
   }
   if (line.rfind("verbs_", 0) == 0) verbs_lines += line + "\n";
+  if (line.rfind("listen=", 0) == 0) listen = line.substr(7);
   tf_rdma::EngineConfig c;
   tf_rdma::Status s = tf_rdma::EngineConfig::Parse(
-      verbs_lines + "task=probe\nlisten=:0\nsecret=probe\n", &c);
+      verbs_lines + "task=probe\nlisten=" + listen + "\nsecret=probe\n", &c);
+  int port = 0;
+  if (s.ok()) s = tf_rdma::SplitHostPort(listen, &c.verbs.local_host, &port);
   std::unique_ptr<tf_rdma::VerbsDevice> device;
   if (s.ok()) s = tf_rdma::OpenVerbs(c.verbs, &device);
   if (!s.ok()) return Fail(s, out, outlen);
