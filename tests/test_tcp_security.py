@@ -641,3 +641,19 @@ def test_open_of_another_writers_region_is_refused(ep):
         ep.wait_log(rf"rejected write from {re.escape(intruder)}: write to "
                     rf"region id {ep.region_id(key)}, which this peer was never given")
     ep.assert_region_zero(key)
+
+
+@pytest.mark.parametrize("offered, answer", [
+    ("verbs", "DENIED no common transport: {w} allows verbs, {r} allows tcp"),
+    ("verbs,tcp", "WELCOME tcp"),
+])
+def test_transport_negotiation_skips_what_this_endpoint_lacks(ep, offered, answer):
+    """A writer that prefers verbs gets the first transport both allow, or a
+    denial naming both lists (this endpoint allows only tcp)."""
+    writer = task(8)
+    with RawPeer(ep.port) as peer:
+        nonce_r = peer.challenge()
+        peer.sock.sendall(peer.hello_line(nonce_r, writer, transports=offered))
+        line = peer.read_line()
+        expected = answer.format(w=writer, r=READER)
+        assert line.startswith(expected), line
