@@ -294,13 +294,8 @@ Status ParseVerbsSetting(const std::string& key, const std::string& value,
   return Status::Ok();
 }
 
-// True when `host` names this machine in this network namespace: loopback,
-// or an address of one of its interfaces.
-bool IsLocalHost(const std::string& host) {
-  struct addrinfo hints, *res = nullptr;
-  std::memset(&hints, 0, sizeof(hints));
-  hints.ai_family = AF_UNSPEC;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+// The numeric addresses of this network namespace's interfaces.
+std::set<std::string> LocalAddresses() {
   std::set<std::string> mine;
   struct ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) == 0) {
@@ -317,6 +312,16 @@ bool IsLocalHost(const std::string& host) {
     }
     freeifaddrs(ifs);
   }
+  return mine;
+}
+
+// True when `host` names this machine in this network namespace: loopback,
+// or one of `mine` (LocalAddresses).
+bool IsLocalHost(const std::string& host, const std::set<std::string>& mine) {
+  struct addrinfo hints, *res = nullptr;
+  std::memset(&hints, 0, sizeof(hints));
+  hints.ai_family = AF_UNSPEC;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
   bool local = false;
   for (auto* a = res; a != nullptr && !local; a = a->ai_next) {
     char text[NI_MAXHOST];
@@ -541,11 +546,12 @@ Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
 
 void Engine::LogExpectedTransports() {
   std::vector<std::string> allowed = AllowedTransports();
+  std::set<std::string> mine = LocalAddresses();
   for (const auto& kv : config_.peers) {
     std::string host;
     int port = 0;
     bool local = SplitHostPort(kv.second, &host, &port).ok() &&
-                 IsLocalHost(host);
+                 IsLocalHost(host, mine);
     std::string expected, fallback;
     for (const std::string& t : allowed) {
       if (t == "shm" && !local) continue;
