@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,10 @@ def test_tensors_cross_network_namespaces_over_tcp(two_hosts):
         assert r["pair"] == pairs, r["pair"]
     assert "/job:worker/task:0 -> /job:worker/task:1 uses tcp" in out["worker:0"].stderr
     assert "/job:worker/task:1 -> /job:worker/task:0 uses tcp" in out["worker:1"].stderr
+    # The start-up line per pair expected it from the addresses alone.
+    assert re.search(rf"pair /job:worker/task:0 <-> /job:worker/task:1 "
+                     rf"\({re.escape(addr_b)}:\d+\): tcp \(another host\)",
+                     out["worker:0"].stderr), out["worker:0"].stderr
 
     # ... and the bytes went over the veth pair (3 MiB each way, plus headers).
     sent_a = tx_bytes(ns_a, veth_a) - tx_before[0]
