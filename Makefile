@@ -100,4 +100,4 @@ bench: bench-deps
 	$(VPY) bench/train.py --json bench/results/train.json
 
 clean:
-	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_build_info.json $(BUILD_STAMP)
+	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_build_info.json $(BUILD_STAMP)

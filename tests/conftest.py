@@ -161,16 +161,17 @@ def shm_segments(pids=None):
 
 
 # ---------------------------------------------------------------------------
-# The verbs transport's tests need an RDMA device with an active port. Where
-# there is none they skip with the reason, unless TF_RDMA_TEST_VERBS=1 says
-# that this is an RDMA host, which turns the skip into a failure.
+# The verbs transport's tests need an RDMA device with an active port that the
+# engine can use. Where there is none they skip with the reason, unless
+# TF_RDMA_TEST_VERBS=1 says that this is an RDMA host, which turns the skip
+# into a failure.
 
 SYS_CLASS_INFINIBAND = "/sys/class/infiniband"
+_verbs_missing = []  # the answer of verbs_missing(), once computed
 
 
-def rdma_port_missing():
-    """None when a device under /sys/class/infiniband has an ACTIVE port,
-    else why the verbs tests cannot run here."""
+def _active_port_missing():
+    """None when a device under /sys/class/infiniband has an ACTIVE port, else why not."""
     if not os.path.isdir(SYS_CLASS_INFINIBAND):
         return (f"no RDMA support in this kernel ({SYS_CLASS_INFINIBAND} is "
                 f"absent)")
@@ -190,10 +191,29 @@ def rdma_port_missing():
             ")")
 
 
+def verbs_missing():
+    """None when the engine can use verbs here, else why the verbs tests cannot run.
+
+    An ACTIVE port in sysfs is not enough (a low memlock limit, a container
+    without /dev/infiniband, a plugin that was not built): where sysfs shows
+    one, the engine itself is asked, as a starting endpoint would be.
+    """
+    if not _verbs_missing:
+        missing = _active_port_missing()
+        if missing is None:
+            from tf_rdma import server  # noqa: E402 - loads TensorFlow
+
+            status = server.verbs_status()
+            if not status["available"]:
+                missing = f"the engine cannot use verbs: {status['reason']}"
+        _verbs_missing.append(missing)
+    return _verbs_missing[0]
+
+
 def require_verbs():
-    """Skips the calling test when no RDMA port is usable here (fails instead
+    """Skips the calling test when verbs is not usable here (fails instead
     under TF_RDMA_TEST_VERBS=1)."""
-    missing = rdma_port_missing()
+    missing = verbs_missing()
     if missing is None:
         return
     if os.environ.get("TF_RDMA_TEST_VERBS") == "1":
@@ -202,8 +222,9 @@ def require_verbs():
                 f"TF_RDMA_TEST_VERBS=1 makes this skip a failure")
 
 
-#: The transports whose data path the two-process tests exercise.
-TRANSPORTS = ("shm", "tcp", "verbs")
+#: The transports whose data path the two-process tests exercise (verbs
+#: only where require_verbs() lets it run).
+DATA_PATH_TRANSPORTS = ("shm", "tcp", "verbs")
 
 
 def use_transport(name):

@@ -171,7 +171,7 @@ def test_group_sizes_that_are_not_powers_of_two_with_every_root(P):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "verbs"])
-def test_every_algorithm_over_another_transport(transport):
+def test_every_algorithm_over_tcp_and_verbs(transport):
     """The same schedules with the TCP transport (the receiving side's
     progress thread applies each block, shorter last blocks included) and,
     on an RDMA host, verbs (blocks forwarded from registered channels)."""

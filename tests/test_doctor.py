@@ -168,11 +168,16 @@ def test_transport_choice_rules():
                                         verbs=MLX)
     assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
     assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "verbs"
-    # Verbs demanded but unusable: the endpoint does not start, whatever else is listed.
-    demanded = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "verbs,tcp"}, local=local,
+    # Verbs demanded (no tcp to fall back on) but unusable: the endpoint does not start.
+    demanded = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
                                        verbs=NO_VERBS)
     assert {p["transport"] for p in demanded["pairs"]} == {None}
     assert "asks for verbs, which is not usable here (no RDMA devices)" in demanded["pairs"][0]["reason"]
+    # With tcp in the list it falls back like auto.
+    fallback = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs,tcp"}, local=local,
+                                       verbs=NO_VERBS)
+    assert _pair({"transports": fallback}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
+    assert _pair({"transports": fallback}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "tcp"
     only_me = doctor.transport_choice(two, task="/job:ps/task:0", env={}, local=local)
     assert len(only_me["pairs"]) == 2
     assert doctor.transport_choice(None, env={}, local=local)["pairs"] == []
@@ -206,3 +211,20 @@ def test_validator_rejects_bad_reports():
     assert any("$.rdma.usable: 'no'" in e for e in errors)
     assert any("'soft' is missing" in e for e in errors)
     assert any("'extra' is not allowed" in e for e in errors)
+
+
+def test_plan_transports_predicts_every_pair_of_the_cluster():
+    """explain()'s transports: every planned pair of TF_CONFIG's cluster is
+    predicted, whatever this process's own task; other pairs say why not."""
+    tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"], "ps": ["192.0.2.9:3"]},
+                 "task": {"type": "worker", "index": 0}}
+    env = {"TF_CONFIG": json.dumps(tf_config)}
+    rows = doctor.plan_transports([("worker:1", "ps:0"), ("worker:0", "worker:1"),
+                                   ("worker:0", "chief:0")], env=env)
+    assert [r["status"] for r in rows] == ["expected", "expected", "unknown"], rows
+    assert rows[0]["src"] == "/job:worker/task:1" and rows[0]["dst"] == "/job:ps/task:0"
+    assert rows[0]["transport"] in ("tcp", "verbs") and rows[1]["transport"] in ("shm", "verbs")
+    assert "192.0.2.9" in rows[0]["reason"] or rows[0]["transport"] == "verbs"
+    assert "not in the cluster" in rows[2]["reason"]
+    alone = doctor.plan_transports([("worker:0", "worker:1")], env={})
+    assert alone[0]["status"] == "unknown" and "no cluster" in alone[0]["reason"]

@@ -22,7 +22,7 @@ import os
 import pytest
 import tf_rdma
 
-from conftest import (TRANSPORTS, collect, make_cluster, run_tasks,
+from conftest import (DATA_PATH_TRANSPORTS, collect, make_cluster, run_tasks,
                       shm_segments, spawn_task, use_transport)
 
 pytestmark = pytest.mark.timeout(300)
@@ -115,7 +115,7 @@ else:
 # Peer death is seen through the pair's socket on every transport (for shm
 # and verbs the socket carries only set-up, for tcp the data too), and for
 # verbs also as failed completions: test each.
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=DATA_PATH_TRANSPORTS)
 def killed(request, tmp_path_factory):
     use_transport(request.param)
     sync_dir = tmp_path_factory.mktemp("killed")

@@ -8,7 +8,7 @@ and the steps of both ends stay paired.
 
 import pytest
 
-from conftest import TRANSPORTS, run_tasks, use_transport
+from conftest import DATA_PATH_TRANSPORTS, run_tasks, use_transport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", DATA_PATH_TRANSPORTS)
 def test_steps_in_order_and_late_sender(transport):
     use_transport(transport)
     out = run_tasks({"worker:0": PROGRAM, "worker:1": PROGRAM},

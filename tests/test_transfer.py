@@ -19,7 +19,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import TRANSPORTS, make_cluster, run_tasks, use_transport
+from conftest import DATA_PATH_TRANSPORTS, make_cluster, run_tasks, use_transport
 from tf_rdma.graph_passes.plan import DTYPE_SIZES
 
 pytestmark = pytest.mark.timeout(400)
@@ -216,7 +216,7 @@ else:
 """
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=DATA_PATH_TRANSPORTS)
 def run(request, tmp_path_factory):
     transport = request.param
     use_transport(transport)

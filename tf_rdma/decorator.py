@@ -26,8 +26,8 @@ import inspect
 
 import tensorflow as tf
 
-from tf_rdma import doctor, settings
-from tf_rdma.errors import PlanError
+from tf_rdma import doctor
+from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import rewrite as passes
 from tf_rdma.ops import timeout_to_ms
 
@@ -126,14 +126,16 @@ class RewrittenFunction:
         return [a.plan for a in self.analyses]
 
     def explain(self, file=None, cluster=None):
-        """Prints (and returns) every trace's plan and kept edges, and the
-        transport of each task pair the plans use.
+        """Prints the plans, the kept edges and each task pair's transport.
 
         Args:
           file: Where to print (default: stdout).
-          cluster: The cluster (dict job → addresses), to predict the
-            transport of pairs this process has not connected; default:
-            TF_CONFIG's.
+          cluster: The cluster (dict job → addresses or a
+            ``tf.train.ClusterSpec``), to predict the transport of pairs this
+            process has not connected; default: TF_CONFIG's.
+
+        Returns:
+          The printed text.
         """
         if not self.analyses:
             text = f"{self._name}: not traced yet"
@@ -141,12 +143,14 @@ class RewrittenFunction:
             text = "\n\n".join(a.summary() for a in self.analyses)
             pairs = sorted({(t.src, t.dst) for a in self.analyses
                             for t in a.plan.transfers})
-            lines = ["transports (TF_RDMA_TRANSPORT on this process: "
-                     f"{settings.transport()}):"]
-            for row in doctor.plan_transports(pairs, cluster):
-                lines.append(f"  {row['src']} -> {row['dst']}: "
-                             f"{row['transport'] or '?'} ({row['status']}: "
-                             f"{row['reason']})")
+            lines = ["transports:"]
+            try:
+                for row in doctor.plan_transports(pairs, cluster):
+                    lines.append(f"  {row['src']} -> {row['dst']}: "
+                                 f"{row['transport'] or '?'} ({row['status']}: "
+                                 f"{row['reason']})")
+            except ConfigError as err:
+                lines.append(f"  not predicted: {err}")
             text += "\n\n" + "\n".join(lines)
         print(text, file=file)
         return text

@@ -27,8 +27,10 @@ Exit status: 0 when the doctor ran (with or without RDMA), 1 with
 failed), 2 for usage errors. The JSON shape (``--json``) is described by
 ``tf_rdma/doctor_schema.json`` and ``docs/doctor.md``.
 
-The functions that gather the report use only the standard library (plus
-pyverbs where it imports) and ``tf_rdma.settings`` / ``tf_rdma.cluster``.
+The inventory uses only the standard library (plus pyverbs where it
+imports) and ``tf_rdma.settings`` / ``tf_rdma.cluster``; whether verbs is
+usable is asked of the engine (:func:`engine_verbs_status`, which loads the
+op library and so TensorFlow).
 """
 
 import argparse
@@ -62,7 +64,9 @@ __all__ = [
     "dev_infiniband",
     "rdma_devices",
     "memlock",
+    "engine_verbs_status",
     "transport_choice",
+    "plan_transports",
     "self_test",
     "build_report",
     "format_text",
@@ -72,7 +76,7 @@ __all__ = [
 ]
 
 #: Version of the JSON report's shape; bumped when a field changes meaning.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: The JSON Schema of the ``--json`` report, checked into the repository.
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_schema.json")
@@ -657,7 +661,7 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
         verbs = result["verbs"] = engine_verbs_status(env, host)
     forced = "" if setting == "auto" else f" (TF_RDMA_TRANSPORT={setting})"
     start_fails = None
-    if setting != "auto" and "verbs" in allowed and not verbs["available"]:
+    if "verbs" in allowed and "tcp" not in allowed and not verbs["available"]:
         start_fails = (f"TF_RDMA_TRANSPORT={setting} asks for verbs, which is not usable "
                        f"here ({verbs['reason']}): the endpoint does not start")
     for i, a in enumerate(tasks):
@@ -696,43 +700,55 @@ def plan_transports(pairs, cluster=None, env=None):
 
     A pair that this process's endpoint has already connected reports the
     transport it uses; any other pair reports the transport the engine is
-    expected to choose (:func:`transport_choice`) for ``cluster``.
+    expected to choose (:func:`transport_choice`) in ``cluster``. With an
+    endpoint running, its own settings and verbs status are used; otherwise
+    the environment's.
 
     Args:
         pairs: ``(src, dst)`` task names, e.g. from a Plan's transfers.
-        cluster: The cluster (dict job → addresses); default: TF_CONFIG's,
-            when set.
+        cluster: The cluster (dict job → addresses, or a
+            ``tf.train.ClusterSpec``); default: TF_CONFIG's, when set.
         env: The environment (default ``os.environ``).
 
     Returns:
         One ``{"src", "dst", "transport", "status", "reason"}`` per pair, in
-        order; ``status`` is ``connected``, ``expected`` or ``unknown`` (no
-        cluster to predict from), ``transport`` None unless known.
+        order; ``status`` is ``connected``, ``expected`` or ``unknown``,
+        ``transport`` None unless known.
+
+    Raises:
+        ConfigError: A setting or the cluster is not valid.
     """
     from tf_rdma import server  # pylint: disable=import-outside-toplevel
 
-    env = os.environ if env is None else env
-    connected = {}
-    try:
-        if server.endpoint_running():
-            for line in server.endpoint_info()["pair"]:
-                a, _, rest = line.partition(" -> ")
-                b, _, transport = rest.rpartition(" ")
-                connected[(a, b)] = transport
-    except LibraryError:
-        pass
+    env = dict(os.environ if env is None else env)
+    connected, verbs = {}, None
+    if server.endpoint_running():
+        info = server.endpoint_info()
+        env["TF_RDMA_TRANSPORT"] = info["transport"]
+        unusable = info["verbs"].startswith("unusable: ")
+        verbs = {"available": not unusable,
+                 "device": None if unusable else info["verbs"],
+                 "reason": info["verbs"][len("unusable: "):] if unusable else None}
+        for line in info["pair"]:
+            a, _, rest = line.partition(" -> ")
+            b, _, transport = rest.rpartition(" ")
+            connected[(a, b)] = transport
+    if cluster is None and (env.get(cluster_lib.TF_CONFIG_ENV) or "").strip():
+        cluster = cluster_lib.cluster_from_tf_config(env)
+    if hasattr(cluster, "as_dict"):
+        cluster = cluster.as_dict()
     expected = {}
-    if cluster is not None or (env.get(cluster_lib.TF_CONFIG_ENV) or "").strip():
-        choice = transport_choice(json.dumps(cluster) if cluster is not None else None,
-                                  None, env)
+    if cluster is not None:
+        choice = transport_choice(json.dumps(cluster), None, env, verbs=verbs)
         for p in choice["pairs"]:
             expected[(p["a"], p["b"])] = expected[(p["b"], p["a"])] = p
     out = []
     for src, dst in pairs:
         src, dst = cluster_lib.canonical_task(src), cluster_lib.canonical_task(dst)
         row = {"src": src, "dst": dst, "transport": None, "status": "unknown",
-               "reason": "not connected from this process, and no cluster to predict from "
-                         "(set TF_CONFIG or pass the cluster)"}
+               "reason": ("not connected from this process, and no cluster to predict from "
+                          "(set TF_CONFIG or pass the cluster)") if cluster is None else
+                         "a task of this pair is not in the cluster"}
         if (src, dst) in connected:
             row.update(transport=connected[(src, dst)], status="connected",
                        reason="this process's endpoint uses it")
@@ -944,8 +960,12 @@ def format_text(report):
     """
     out = []
     rdma = report["rdma"]
+    verbs = report["transports"]["verbs"]
     if rdma["usable"]:
         out.append(f"RDMA: {rdma['active_ports']} active port(s) on {rdma['device_count']} device(s)")
+    elif verbs["available"]:
+        out.append(f"RDMA: tf_rdma can use {verbs['device']}; the inventory below is "
+                   f"incomplete: {rdma['reason']}")
     else:
         out.append(f"RDMA: no RDMA devices usable here: {rdma['reason']}")
     pv = report["pyverbs"]
@@ -1156,7 +1176,8 @@ def run(args, parser=None):
         sys.stdout.write(format_text(report))
     sys.stdout.flush()
     if args.require_rdma:
-        if not report["rdma"]["usable"]:
+        # What tf_rdma needs is the engine's verdict; pyverbs only inspects.
+        if not (report["rdma"]["usable"] or report["transports"]["verbs"]["available"]):
             return 1
         if report["self_test"]["ran"] and not report["self_test"]["ok"]:
             return 1

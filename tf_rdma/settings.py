@@ -14,7 +14,7 @@ import os
 
 from tf_rdma.errors import ConfigError
 
-#: The transports, in the order "auto" tries them (design.md §3).
+#: The transports, in the order "auto" tries them (the project's design).
 TRANSPORTS = ("verbs", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_POLL_US = 50
@@ -78,7 +78,8 @@ VERBS_SETTINGS = (
                  "path MTU in bytes, one of 256, 512, 1024, 2048, 4096; "
                  "default: the port's active MTU (the smaller end wins)",
                  "verbs_mtu", _one_of("256", "512", "1024", "2048", "4096")),
-    VerbsSetting("TF_RDMA_VERBS_SL", "0", "InfiniBand service level, in [0, 15]",
+    VerbsSetting("TF_RDMA_VERBS_SL", "0", "service level, in [0, 15] (RoCE: "
+                 "the 802.1p priority, e.g. a lossless PFC class)",
                  "verbs_sl", _int_in(0, 15)),
     VerbsSetting("TF_RDMA_VERBS_TRAFFIC_CLASS", "0",
                  "traffic class (RoCE: DSCP × 4 + ECN), in [0, 255]",
@@ -90,12 +91,14 @@ VERBS_SETTINGS = (
                  "retries of an unacknowledged transfer before the pair "
                  "fails, in [0, 7]", "verbs_retry_count", _int_in(0, 7)),
     VerbsSetting("TF_RDMA_VERBS_QUEUE_DEPTH", "128",
-                 "send work requests in flight per pair, in [4, 32768]",
+                 "size of each pair's send queue, in [4, 32768] (writes on a "
+                 "pair are serialized and keep at most 5 requests in flight, "
+                 "so more than 8 only reserves room)",
                  "verbs_queue_depth", _int_in(4, 32768)),
     VerbsSetting("TF_RDMA_VERBS_INLINE", "64",
                  "payloads up to this many bytes are posted inline (no DMA "
-                 "read of the source), in [0, 1024]", "verbs_inline",
-                 _int_in(0, 1024)),
+                 "read of the source), in [0, 1024]; capped at what the "
+                 "device allows", "verbs_inline", _int_in(0, 1024)),
 )
 
 #: Every environment variable tf_rdma reads, in the order the docs list them.
@@ -107,8 +110,9 @@ SETTINGS = (
             "`auto` (per pair: verbs when both ends can use it, else shm "
             "when both are on one host, else tcp; verbs that is not usable "
             "is logged once and skipped) or a comma-separated list of `verbs`, "
-            "`shm`, `tcp` in order of preference, e.g. `shm,verbs` or "
-            "`verbs` (then verbs that is not usable is an error)"),
+            "`shm`, `tcp` in order of preference, e.g. `shm,verbs,tcp`; a "
+            "list that names verbs but not tcp (`verbs`, `shm,verbs`) makes "
+            "unusable verbs a start-up error"),
     Setting("TF_RDMA_TIMEOUT", f"{DEFAULT_TIMEOUT_S:g}",
             "seconds any op (transfer or collective) waits for a peer before "
             "it fails, in (0, 604800]"),

@@ -532,7 +532,10 @@ Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
     return Status::Ok();
   }
   verbs_unusable_ = s.message();
-  if (config.transport != "auto") {
+  // A list without tcp leaves some pairs (other hosts) nothing but verbs:
+  // better a clear error now than a refused connection later.
+  if (std::find(wanted.begin(), wanted.end(), "tcp") == wanted.end() &&
+      config.transport != "auto") {
     return FailedPrecondition("TF_RDMA_TRANSPORT=" + config.transport +
                               " asks for verbs, but verbs cannot be used "
                               "here: " + s.message());

@@ -285,8 +285,9 @@ class Engine {
   std::string HostId() const;
   std::vector<std::string> AllowedTransports() const;
   // Opens the RDMA device when the transport setting allows verbs. An error
-  // only when the setting names verbs and it is unusable; under "auto" the
-  // reason is logged and kept (Info) and the pairs use shm or tcp.
+  // only when verbs is unusable and the setting names it without tcp to fall
+  // back on; otherwise ("auto", "verbs,tcp", ...) the reason is logged once
+  // and kept (Info) and the pairs use the other transports.
   Status StartVerbs(const EngineConfig& config, const std::string& host);
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
