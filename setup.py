@@ -136,13 +136,20 @@ class BuildOpLibrary(build_ext):
                   "without the verbs transport" % VERBS_HEADER, flush=True)
         jobs = int(os.environ.get("TF_RDMA_BUILD_JOBS", os.cpu_count() or 2))
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            core = [pool.submit(compile_one, src) for src in ext.sources]
+            verbs = [pool.submit(compile_one, src) for src in verbs_sources]
             try:
-                objects = list(pool.map(compile_one,
-                                        ext.sources + verbs_sources))
+                core_objects = [f.result() for f in core]
             except RuntimeError as e:
                 raise SystemExit("tf_rdma: " + str(e))
-        core_objects = objects[:len(ext.sources)]
-        verbs_objects = objects[len(ext.sources):]
+            try:
+                verbs_objects = [f.result() for f in verbs]
+            except RuntimeError as e:
+                # The core works without the plugin (verbs is then reported
+                # unusable, with the reason, at run time).
+                print("tf_rdma: building without the verbs transport:", e,
+                      file=sys.stderr)
+                verbs_objects = []
 
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -161,9 +168,15 @@ class BuildOpLibrary(build_ext):
         if verbs_objects:
             # Only libibverbs: the plugin uses nothing of TensorFlow's, and
             # every undefined symbol must resolve when it is dlopened.
-            link(verbs_out, verbs_objects,
-                 ["-libverbs", "-lpthread", "-Wl,--no-undefined"])
-        elif os.path.exists(verbs_out):
+            try:
+                link(verbs_out, verbs_objects,
+                     ["-libverbs", "-lpthread", "-Wl,--no-undefined"])
+            except subprocess.CalledProcessError:
+                print("tf_rdma: linking the verbs plugin failed (is "
+                      "libibverbs.so installed?): building without the "
+                      "verbs transport", file=sys.stderr)
+                verbs_objects = []
+        if not verbs_objects and os.path.exists(verbs_out):
             os.remove(verbs_out)
         with open(os.path.join(os.path.dirname(out), "_build_info.json"),
                   "w") as f:
