@@ -254,6 +254,17 @@ RegionDescriptor DecodeDescriptor(std::map<std::string, std::string>& fields,
   return d;
 }
 
+// The transports a setting allows, in order of preference ("auto": verbs,
+// shm, tcp).
+std::vector<std::string> TransportPreference(const std::string& setting) {
+  if (setting == "auto") return {"verbs", "shm", "tcp"};
+  return Split(setting, ',');
+}
+
+bool Contains(const std::vector<std::string>& list, const std::string& item) {
+  return std::find(list.begin(), list.end(), item) != list.end();
+}
+
 // One "verbs_<name>=<value>" config line (the plugin checks the ranges).
 Status ParseVerbsSetting(const std::string& key, const std::string& value,
                          VerbsSettings* v) {
@@ -272,13 +283,6 @@ Status ParseVerbsSetting(const std::string& key, const std::string& value,
       {"verbs_queue_depth", &VerbsSettings::queue_depth},
       {"verbs_inline", &VerbsSettings::inline_bytes}};
   uint64_t number = 0;
-  if (key == "verbs_min_memlock") {
-    if (!ParseUint(value, &number)) {
-      return InvalidArgument(key + " '" + value + "' is not a byte count");
-    }
-    v->min_memlock = number;
-    return Status::Ok();
-  }
   bool negative = !value.empty() && value[0] == '-';
   bool parsed = ParseUint(negative ? value.substr(1) : value, &number) &&
                 number <= (1u << 30);
@@ -513,10 +517,8 @@ Status Engine::Start(const EngineConfig& config) {
 
 Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
   // Caller holds mu_.
-  std::vector<std::string> wanted = config.transport == "auto"
-                                        ? std::vector<std::string>{"verbs"}
-                                        : Split(config.transport, ',');
-  if (std::find(wanted.begin(), wanted.end(), "verbs") == wanted.end()) {
+  std::vector<std::string> wanted = TransportPreference(config.transport);
+  if (!Contains(wanted, "verbs")) {
     verbs_unusable_ = "not asked for (TF_RDMA_TRANSPORT=" + config.transport +
                       ")";
     return Status::Ok();
@@ -534,8 +536,7 @@ Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
   verbs_unusable_ = s.message();
   // A list without tcp leaves some pairs (other hosts) nothing but verbs:
   // better a clear error now than a refused connection later.
-  if (std::find(wanted.begin(), wanted.end(), "tcp") == wanted.end() &&
-      config.transport != "auto") {
+  if (!Contains(wanted, "tcp")) {
     return FailedPrecondition("TF_RDMA_TRANSPORT=" + config.transport +
                               " asks for verbs, but verbs cannot be used "
                               "here: " + s.message());
@@ -642,10 +643,7 @@ std::string Engine::HostId() const {
 
 std::vector<std::string> Engine::AllowedTransports() const {
   std::vector<std::string> out;
-  for (const std::string& t : config_.transport == "auto"
-                                  ? std::vector<std::string>{"verbs", "shm",
-                                                             "tcp"}
-                                  : Split(config_.transport, ',')) {
+  for (const std::string& t : TransportPreference(config_.transport)) {
     if (t != "verbs" || verbs_) out.push_back(t);
   }
   return out;
@@ -870,8 +868,7 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
   conn->peer = peer;
   conn->peer_address = it->second;
   conn->dialed = true;
-  std::vector<std::string> offered = AllowedTransports();
-  if (std::find(offered.begin(), offered.end(), f[1]) == offered.end()) {
+  if (!Contains(AllowedTransports(), f[1])) {
     return fail(Unavailable("peer chose transport '" + f[1] +
                             "', which was not offered"));
   }
