@@ -92,6 +92,27 @@ def endpoint_info():
     return info
 
 
+def remove_stale_segments():
+    """Removes the shared memory that dead tf_rdma processes left behind.
+
+    A process killed with SIGKILL cannot remove its segments from
+    /dev/shm. Every endpoint does this when it starts; this is the same
+    collection on demand (for launchers and test harnesses). Only segments
+    whose owner process is gone are removed: the owner holds a lock on each
+    of its segments while it runs.
+
+    Returns:
+        ``(count, bytes)`` of the segments removed.
+
+    Raises:
+        LibraryError: The op library cannot be loaded.
+    """
+    nbytes = ctypes.c_ulonglong(0)
+    count = _loader.load().c.tfrdma_remove_stale_segments(
+        ctypes.byref(nbytes))
+    return count, nbytes.value
+
+
 def verbs_status(env=None, host=None):
     """Says whether the verbs transport is usable in this process, and why not.
 

@@ -496,6 +496,12 @@ Status Engine::Start(const EngineConfig& config) {
   int port = 0;
   TF_RDMA_RETURN_IF_ERROR(SplitHostPort(config.listen, &host, &port));
   config_ = config;
+  uint64_t stale_bytes = 0;
+  if (int stale = RemoveStaleSegments(&stale_bytes)) {
+    Log("removed " + std::to_string(stale) + " shared-memory segment" +
+        (stale == 1 ? "" : "s") + " (" + std::to_string(stale_bytes) +
+        " bytes) that processes which died had left in /dev/shm");
+  }
   TF_RDMA_RETURN_IF_ERROR(StartVerbs(config, host));
   TF_RDMA_RETURN_IF_ERROR(Listen(host, port, &listen_fd_, &listen_port_)
                               .Prefixed("starting the tf_rdma endpoint"));

@@ -10,6 +10,19 @@
 //     killed before it could clean up (the pid is in the name).
 // The whole segment is populated when it is created: the memory is allocated
 // once, at set-up, never on the data path.
+//
+// Segments of a process that died without cleaning up (SIGKILL, a crash)
+// would stay in /dev/shm until reboot, and since pids are reused (pid_max is
+// often 32768, and TensorFlow's threads use pids too) a later process with
+// the same pid would find its names taken. So the owner holds a shared
+// flock on its segment for as long as the region exists; the kernel drops
+// the lock when the process dies, however it dies. RemoveStaleSegments,
+// run when an engine starts, removes every tfrdma segment it can lock
+// exclusively, i.e. whose owner is gone. The lock, not the pid, decides, so
+// a live process in another pid namespace that shares /dev/shm is safe.
+// The race with a segment being created is closed on the owner's side: it
+// takes its lock without waiting, and if a collector got there first it
+// gives the name up (the collector removes it) and takes the next one.
 #ifndef TF_RDMA_ENGINE_REGION_H_
 #define TF_RDMA_ENGINE_REGION_H_
 
@@ -54,16 +67,23 @@ class Region {
   void Unlink();
 
  private:
-  Region(std::string shm_name, uint8_t* data, uint64_t size, bool owner)
+  Region(std::string shm_name, uint8_t* data, uint64_t size, bool owner,
+         int lock_fd)
       : shm_name_(std::move(shm_name)), data_(data), size_(size),
-        owner_(owner) {}
+        owner_(owner), lock_fd_(lock_fd) {}
 
   std::string shm_name_;
   uint8_t* data_;
   uint64_t size_;
   bool owner_;
+  int lock_fd_;  // owner: the segment's fd, holding the shared flock
   bool unlinked_ = false;
 };
+
+// Removes the tfrdma segments in /dev/shm whose owner process is gone (no
+// one holds their lock); returns how many, and their total bytes in
+// `bytes` (may be null). Segments of live processes are never touched.
+int RemoveStaleSegments(uint64_t* bytes);
 
 }  // namespace tf_rdma
 
