@@ -477,7 +477,8 @@ def check_lines(results):
             line += (f"; the same step with no cross-task tensor (local) "
                      f"takes {human_time(l)}: tf_rdma adds "
                      f"{human_time(t - l)} to it, grpc {human_time(g - l)}, "
-                     f"grpc / local = {g / l:.2f}x")
+                     f"grpc / local = {g / l:.2f}x (what a transport that "
+                     f"cost nothing would reach)")
         lines.append(line)
     p = next((r for r in results if r["op"] == "plan+rewrite"), None)
     if p:

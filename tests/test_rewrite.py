@@ -200,7 +200,8 @@ def compare(plain, rdma, feeds):
         p = plain(*args)
         r = rdma(*args)
         same.append(identical(p, r))
-        shown.append({"plain": summary(p), "rdma": summary(r)})
+        shown.append({"plain": summary(p), "rdma": summary(r),
+                      "rdma_devices": [x.device for x in tf.nest.flatten(r)]})
     return same, shown
 
 def graph_facts(fn, *args):
@@ -717,6 +718,10 @@ def test_model_split_over_two_workers(results):
     shapes = {(e["src"], tuple(e["shape"])) for e in planned(r)
               if e["kind"] == "static"}
     assert (W0, (4, 5)) in shapes and (W1, (4, 5)) in shapes
+    # The results come back on the caller's device (docs/rewrite.md,
+    # "Results and gradients").
+    assert {d for s in r["shown"] for d in s["rdma_devices"]} == {
+        "/job:localhost/replica:0/task:0/device:CPU:0"}
 
 
 def test_side_effects_keep_their_order_across_tasks(results):

@@ -1,0 +1,92 @@
+"""What TensorFlow's tracing makes of tf_rdma ops inside a tf.function.
+
+Graph-level checks (traced, not run): the control edges that automatic
+control dependencies add around TfRdmaSend / TfRdmaRecv, and where the
+values a function returns are computed (tf_rdma/_tf_private.py).
+"""
+
+import pytest
+import tensorflow as tf
+
+import tf_rdma
+
+W0 = "/job:worker/task:0"
+W1 = "/job:worker/task:1"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def plan(name):
+    return tf_rdma.Plan([tf_rdma.Transfer("x", W0, W1, "float32", [4]),
+                         tf_rdma.Transfer("y", W1, W0, "float32", [4])],
+                        name=name)
+
+
+def traced(fn):
+    return fn.get_concrete_function(tf.TensorSpec([4], tf.float32)).graph
+
+
+def op_of(graph, op_type):
+    (op,) = [op for op in graph.get_operations() if op.type == op_type]
+    return op
+
+
+def test_send_and_recv_get_no_program_order_edges():
+    p = plan("order")
+
+    @tf.function
+    def fn(a):
+        # The recv is written before the send of the same step would be
+        # (a ping-pong): program order would make it wait for itself.
+        with tf.device(W0):
+            b = tf_rdma.ops.recv(p, "y")
+            tf_rdma.ops.send(a * 2.0, p, "x")
+        with tf.device(W1):
+            tf_rdma.ops.send(tf_rdma.ops.recv(p, "x") + 1.0, p, "y")
+        return b
+
+    graph = traced(fn)
+    for op in graph.get_operations():
+        if op.type in ("TfRdmaSend", "TfRdmaRecv"):
+            assert [c.type for c in op.control_inputs] == [], op.name
+    must_run = {op.type for op in graph.control_outputs}
+    assert {"TfRdmaSend", "TfRdmaRecv"} <= must_run
+
+
+def test_returned_value_stays_on_the_task_that_computes_it():
+    p = plan("placement")
+
+    @tf.function
+    def fn(a):
+        with tf.device(W0):
+            tf_rdma.ops.send(a * 2.0, p, "x")
+        with tf.device(W1):
+            return tf_rdma.ops.recv(p, "x") + 1.0
+
+    graph = traced(fn)
+    (out,) = graph.outputs
+    assert out.op.type == "Identity"
+    # Still ordered after the ops that must run (the send among them) ...
+    waits_for = {c.type for c in out.op.control_inputs}
+    assert waits_for, "the returned value lost its control inputs"
+    # ... but computed where its value is, not on the client.
+    assert tf.DeviceSpec.from_string(out.op.device) == \
+        tf.DeviceSpec.from_string(W1)
+    for control in out.op.control_inputs:
+        if control.type == "NoOp":
+            assert tf.DeviceSpec.from_string(control.device) == \
+                tf.DeviceSpec.from_string(W1)
+            assert "TfRdmaSend" in {c.type for c in control.control_inputs}
+
+
+def test_functions_without_tf_rdma_ops_are_left_alone():
+    @tf.function
+    def fn(a):
+        with tf.device(W1):
+            tf.print(a)  # an op that must run, with no data path out
+            return a + 1.0
+
+    (out,) = traced(fn).outputs
+    assert out.op.type == "Identity"
+    assert out.op.control_inputs  # the print must run first
+    assert out.op.device == ""  # TensorFlow's own placement decides
