@@ -122,3 +122,51 @@ def test_connect_to_cluster_send_recv(transport):
     # SIGTERM is a clean shutdown: exit 0 and no segment left behind.
     assert [rc for rc, _ in stopped] == [0, 0], logs[-3000:]
     assert shm_segments(pids=[p.pid for p in servers]) == []
+
+
+# A function that returns what it received: the result would alias the slot
+# (zero-copy recv), and with depth 1 a result the client keeps would hold
+# the slot from the next call's send. tf_rdma/_tf_private.py makes returned
+# values local copies; without that the second call times out.
+RETURNS_RECV = r"""
+import json, os
+import tensorflow as tf
+import tf_rdma
+cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
+plan = tf_rdma.Plan([tf_rdma.Transfer("x", W0, W1, "float32", [4])], depth=1,
+                    name="returns_recv")
+
+@tf.function
+def fn(a):
+    with tf.device(W0):
+        tf_rdma.ops.send(a * 2.0, plan, "x")
+    with tf.device(W1):
+        return tf_rdma.ops.recv(plan, "x")
+
+kept = [fn(tf.fill([4], float(i))) for i in range(3)]  # all held at once
+print("RESULT " + json.dumps({"values": [k.numpy().tolist() for k in kept],
+                              "devices": [k.device for k in kept]}),
+      flush=True)
+"""
+
+
+def test_kept_results_do_not_hold_their_slots():
+    cluster = make_cluster(2)
+    env = base_env({"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "10"})
+    servers = start_servers(cluster, env)
+    try:
+        client_env = dict(env)
+        client_env["TF_CONFIG"] = json.dumps({"cluster": cluster})
+        client = subprocess.run([sys.executable, "-c", RETURNS_RECV],
+                                env=client_env, capture_output=True,
+                                text=True, timeout=120)
+    finally:
+        stop_servers(servers)
+    assert client.returncode == 0, client.stderr[-3000:]
+    line = [l for l in client.stdout.splitlines() if l.startswith("RESULT ")]
+    r = json.loads(line[-1][7:])
+    assert r["values"] == [[2.0 * i] * 4 for i in range(3)]
+    # The results stay on the task that received them, as without tf_rdma.
+    assert r["devices"] == ["/job:worker/replica:0/task:1/device:CPU:0"] * 3

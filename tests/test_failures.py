@@ -15,9 +15,7 @@ Real processes, real shared memory, real sockets. To keep process start-ups
   endpoint runs, tensors that do not fit the plan, an unknown peer task.
 """
 
-import glob
 import json
-import os
 
 import pytest
 import tf_rdma
@@ -139,8 +137,7 @@ def killed(request, tmp_path_factory):
     finally:
         # The killed task could not remove its segments; worker:1 collects
         # them (test below). Should it have failed to, do not leave them.
-        for path in glob.glob(f"/dev/shm/tfrdma.{procs['worker:0'].pid}.*"):
-            os.unlink(path)
+        tf_rdma.server.remove_stale_segments()
     return procs, out
 
 

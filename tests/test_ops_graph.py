@@ -67,16 +67,18 @@ def test_returned_value_stays_on_the_task_that_computes_it():
     (out,) = graph.outputs
     assert out.op.type == "Identity"
     # Still ordered after the ops that must run (the send among them) ...
-    waits_for = {c.type for c in out.op.control_inputs}
-    assert waits_for, "the returned value lost its control inputs"
-    # ... but computed where its value is, not on the client.
-    assert tf.DeviceSpec.from_string(out.op.device) == \
-        tf.DeviceSpec.from_string(W1)
-    for control in out.op.control_inputs:
-        if control.type == "NoOp":
-            assert tf.DeviceSpec.from_string(control.device) == \
-                tf.DeviceSpec.from_string(W1)
-            assert "TfRdmaSend" in {c.type for c in control.control_inputs}
+    (noop,) = [c for c in out.op.control_inputs if c.type == "NoOp"]
+    assert "TfRdmaSend" in {c.type for c in noop.control_inputs}
+    # ... but computed where its value is, not on the client ...
+    on_w1 = tf.DeviceSpec.from_string(W1)
+    assert tf.DeviceSpec.from_string(out.op.device) == on_w1
+    assert tf.DeviceSpec.from_string(noop.device) == on_w1
+    # ... and a copy, so that a result the caller keeps does not hold the
+    # slot it was computed from (tests/test_client_driven.py runs this).
+    (copy,) = [t.op for t in out.op.inputs]
+    assert copy.type == "DeepCopy"
+    assert tf.DeviceSpec.from_string(copy.device) == on_w1
+    assert copy.inputs[0].op.type == "AddV2"
 
 
 def test_functions_without_tf_rdma_ops_are_left_alone():

@@ -63,6 +63,22 @@ def test_collection_removes_unlocked_segments_and_keeps_locked_ones():
     os.unlink(other)
 
 
+def test_an_endpoint_collects_when_it_starts():
+    stale = make_segment(f"tfrdma.{NOBODY}.7", size=3 * 4096)
+    lookalike = make_segment(f"tfrdma.{NOBODY}.notes")  # not a segment name
+    try:
+        out = run_tasks({"worker:0": """
+            ep = start()
+            result({"pid": os.getpid()})
+        """})
+        assert not os.path.exists(stale)
+        assert os.path.exists(lookalike)
+        log = out["worker:0"].stderr
+        assert "that processes which died had left in /dev/shm" in log, log
+    finally:
+        os.unlink(lookalike)
+
+
 def test_names_taken_by_a_live_segment_are_skipped(tmp_path):
     # worker:1 takes the first names its regions would get (as a segment of
     # a process that had the same pid and still has an owner would): its

@@ -56,13 +56,26 @@ def register_order_insensitive_ops():
 # critical path (seen in the partition graphs of a one-hop function, and
 # 0.3 ms of a 2.5 ms call on the 2-vCPU VM of docs/benchmarks.md;
 # TensorFlow's own path pays the same for any op that must run, e.g. an
-# assign_add on a worker). Placing that Identity, and the NoOp, on the
-# device of the value it returns keeps the value where it is; the control
-# edges stay, so the ordering is unchanged, and the returned value lives on
-# the same task as before (its _Retval was there already). Only functions
-# that contain tf_rdma ops are touched. This is an optimisation: if
-# TensorFlow's AutomaticControlDependencies changes shape, it is skipped and
-# nothing else changes.
+# assign_add on a worker).
+#
+# So the Identity, and the NoOp, go to the device of the value they return.
+# The control edges stay: nothing runs in a different order, and the value
+# was already returned on that task (its _Retval was there). One thing the
+# round trip did by accident has to be kept on purpose: it made the result a
+# copy. A received tensor, or a view of it (a slice, a reshape), aliases its
+# slot, and a result the client holds would keep the slot from its sender
+# until the client drops it, stalling the next calls. So a plain-data result
+# on a CPU is copied where it is computed (DeepCopy: one memcpy, local,
+# instead of two gRPC messages). Only top-level tf.function graphs with
+# tf_rdma send/recv in them are touched, not while/cond bodies. This is an
+# optimisation: if TensorFlow's AutomaticControlDependencies or Operation
+# changes shape, it is skipped and the graph is left as TensorFlow built it.
+
+# Dtypes a slot can hold (kernels/ops/send_recv_ops.cc, TF_RDMA_TYPES).
+_SLOT_DTYPES = frozenset((
+    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+    "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex64",
+    "complex128"))
 
 
 def _place_returned_values_with_their_producers(auto_control_deps):
@@ -74,7 +87,10 @@ def _place_returned_values_with_their_producers(auto_control_deps):
     def __exit__(self, exc_type, exc_value, traceback):
         result = exit_(self, exc_type, exc_value, traceback)
         if exc_type is None:
-            _move_return_identities(self)
+            try:
+                _move_return_identities(self)
+            except (AttributeError, TypeError, ValueError, ImportError):
+                pass  # TensorFlow changed shape: keep its own graph
         return result
 
     __exit__._tf_rdma_wrapped = True
@@ -83,18 +99,27 @@ def _place_returned_values_with_their_producers(auto_control_deps):
 
 def _move_return_identities(acd):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    must_run = getattr(acd, "ops_which_must_run", None)
-    returned = getattr(acd, "_returned_tensors", None)
-    if not must_run or returned is None or not any(
-            op.type in ORDER_INSENSITIVE_OPS for op in must_run):
+    from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-import-not-at-top
+    if not any(op.type in ORDER_INSENSITIVE_OPS
+               for op in acd.ops_which_must_run):
         return
+    if isinstance(acd._graph,  # pylint: disable=protected-access
+                  control_flow_v2_func_graphs.ControlFlowFuncGraph):
+        return
+    returned = acd._returned_tensors  # pylint: disable=protected-access
     for tensor in tf.nest.flatten(list(returned), expand_composites=True):
         op = getattr(tensor, "op", None)
         if (op is None or op.type != "Identity" or op.device
-                or not op.control_inputs or not op.inputs
+                or not op.control_inputs or len(op.inputs) != 1
                 or not op.inputs[0].device):
             continue
-        device = op.inputs[0].device
+        value = op.inputs[0]
+        device = value.device
+        if (value.dtype.name in _SLOT_DTYPES and
+                tf.DeviceSpec.from_string(device).device_type in (None, "CPU")):
+            with tf.device(device):
+                copy = tf.raw_ops.DeepCopy(x=value)
+            op._update_input(0, copy)  # pylint: disable=protected-access
         op._set_device(device)  # pylint: disable=protected-access
         for control in op.control_inputs:
             if control.type == "NoOp" and not control.device:

@@ -36,6 +36,7 @@ well; see :mod:`tf_rdma.cluster` for the address rule.
 import argparse
 import collections
 import ctypes
+import fcntl
 import json
 import os
 import secrets
@@ -674,14 +675,34 @@ class _Launcher:
         for name in names:
             if name.startswith(prefixes):
                 try:
-                    os.unlink(os.path.join(_SHM_DIR, name))
-                    removed.append(name)
+                    if _remove_if_unowned(os.path.join(_SHM_DIR, name)):
+                        removed.append(name)
                 except FileNotFoundError:
                     pass
                 except OSError as err:
                     self.out.say(f"could not remove {_SHM_DIR}/{name}: {err}")
         if removed:
             self.out.say(f"removed {len(removed)} leaked shared-memory segment(s) from {_SHM_DIR}")
+
+
+def _remove_if_unowned(path):
+    """Removes a segment unless a live process holds it (region.h's lock).
+
+    The pid in the name is the server's, but pids are reused: a process that
+    drew it since holds a shared lock on each segment it owns.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if os.fstat(fd).st_nlink == 0:
+            return False  # removed meanwhile
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _one_line(command, limit=200):

@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <cstring>
 
 namespace tf_rdma {
 namespace {
@@ -30,44 +32,55 @@ Status Region::Create(uint64_t size, std::unique_ptr<Region>* out) {
                            " is not a positive multiple of " +
                            std::to_string(kPageBytes));
   }
-  // A name can be taken by a segment that a dead process with our pid left
-  // behind (the next collection removes it), or be lost to a collector that
-  // locked it first (header comment): then try the next number.
-  constexpr int kMaxNameTries = 64;
+  // A name can be taken: by a live segment of a process with the same pid
+  // in another pid namespace, or by a dead process's segment that no
+  // collection has removed yet. Then try the next number. A name can also be
+  // lost to a collector that locked it first (region.h): give it up.
+  constexpr int kMaxNamesTaken = 1 << 16;
+  constexpr int kMaxNamesLost = 64;
   std::string name;
   int fd = -1;
-  for (int tries = 0; fd < 0; ++tries) {
+  for (int taken = 0, lost = 0; fd < 0;) {
     name = "/tfrdma." + std::to_string(getpid()) + "." +
            std::to_string(next_region_number++);
     fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0) {
-      if (errno != EEXIST || tries + 1 >= kMaxNameTries) {
+      if (errno != EEXIST || ++taken >= kMaxNamesTaken) {
         return ErrnoStatus("shm_open(" + name + ")", errno);
       }
       continue;
     }
     if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
-      close(fd);  // a collector holds it and will remove the name
+      int err = errno;
+      if (err != EWOULDBLOCK) {
+        shm_unlink(name.c_str());
+        close(fd);
+        return ErrnoStatus("flock(" + name + ")", err);
+      }
+      close(fd);  // the collector that holds it removes the name
       fd = -1;
-      if (tries + 1 >= kMaxNameTries) {
+      if (++lost >= kMaxNamesLost) {
         return Internal("could not create a shared-memory segment: " +
-                        std::to_string(kMaxNameTries) +
-                        " names in a row were taken");
+                        std::to_string(kMaxNamesLost) +
+                        " new names in a row were locked by a collector");
       }
     }
   }
+  // From here on the name is removed before the fd (and its lock) goes, so
+  // that no other process can take the name for a segment of its own and
+  // see it removed by us.
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     int err = errno;
-    close(fd);
     shm_unlink(name.c_str());
+    close(fd);
     return ErrnoStatus("ftruncate(" + name + ", " + std::to_string(size) + ")",
                        err);
   }
   uint8_t* data = nullptr;
   Status s = MapFd(fd, size, &data);
   if (!s.ok()) {
-    close(fd);
     shm_unlink(name.c_str());
+    close(fd);
     return s.Prefixed("creating region " + name);
   }
   out->reset(new Region(name, data, size, /*owner=*/true, fd));
@@ -116,23 +129,43 @@ Region::~Region() {
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 
+namespace {
+
+// "tfrdma.<digits>.<digits>": a name Region::Create makes.
+bool IsSegmentName(const char* name) {
+  const char* p = name;
+  if (std::strncmp(p, "tfrdma.", 7) != 0) return false;
+  p += 7;
+  for (int part = 0; part < 2; ++part) {
+    if (!std::isdigit(static_cast<unsigned char>(*p))) return false;
+    while (std::isdigit(static_cast<unsigned char>(*p))) ++p;
+    if (part == 0 && *p++ != '.') return false;
+  }
+  return *p == '\0';
+}
+
+}  // namespace
+
 int RemoveStaleSegments(uint64_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return 0;
   int removed = 0;
   while (struct dirent* entry = readdir(dir)) {
+    if (!IsSegmentName(entry->d_name)) continue;
     std::string name = std::string("/") + entry->d_name;
-    if (name.rfind("/tfrdma.", 0) != 0) continue;
-    int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
+    int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY,
+                      0);
     if (fd < 0) continue;  // gone meanwhile, or not ours to open
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {  // no owner holds it
-      struct stat st;
-      uint64_t size = fstat(fd, &st) == 0 ? st.st_size : 0;
-      if (shm_unlink(name.c_str()) == 0) {
-        ++removed;
-        if (bytes != nullptr) *bytes += size;
-      }
+    struct stat st;
+    // Locked exclusively: no owner holds it. Still linked: no other
+    // collector removed it (and the name is not a newer segment's: only a
+    // holder of this lock unlinks this one).
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+        flock(fd, LOCK_EX | LOCK_NB) == 0 && fstat(fd, &st) == 0 &&
+        st.st_nlink > 0 && shm_unlink(name.c_str()) == 0) {
+      ++removed;
+      if (bytes != nullptr) *bytes += st.st_size;
     }
     close(fd);
   }

@@ -18,11 +18,14 @@
 // flock on its segment for as long as the region exists; the kernel drops
 // the lock when the process dies, however it dies. RemoveStaleSegments,
 // run when an engine starts, removes every tfrdma segment it can lock
-// exclusively, i.e. whose owner is gone. The lock, not the pid, decides, so
-// a live process in another pid namespace that shares /dev/shm is safe.
-// The race with a segment being created is closed on the owner's side: it
-// takes its lock without waiting, and if a collector got there first it
-// gives the name up (the collector removes it) and takes the next one.
+// exclusively and that is still linked, i.e. whose owner is gone. The lock,
+// not the pid, decides, so a live process in another pid namespace that
+// shares /dev/shm is safe (a name its segment holds is skipped). The race
+// with a segment being created is closed on the owner's side: it takes its
+// lock without waiting, and if a collector got there first it gives the
+// name up (the collector removes it) and takes the next one. Only a holder
+// of a segment's lock removes its name, and the owner removes it before it
+// lets go of the lock. Each owned region keeps one fd open for the lock.
 #ifndef TF_RDMA_ENGINE_REGION_H_
 #define TF_RDMA_ENGINE_REGION_H_
 
