@@ -71,13 +71,6 @@ def register_order_insensitive_ops():
 # optimisation: if TensorFlow's AutomaticControlDependencies or Operation
 # changes shape, it is skipped and the graph is left as TensorFlow built it.
 
-# Dtypes a slot can hold (kernels/ops/send_recv_ops.cc, TF_RDMA_TYPES).
-_SLOT_DTYPES = frozenset((
-    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
-    "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex64",
-    "complex128"))
-
-
 def _place_returned_values_with_their_producers(auto_control_deps):
     cls = getattr(auto_control_deps, "AutomaticControlDependencies", None)
     exit_ = getattr(cls, "__exit__", None)
@@ -100,6 +93,7 @@ def _place_returned_values_with_their_producers(auto_control_deps):
 def _move_return_identities(acd):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-import-not-at-top
+    from tf_rdma.graph_passes.plan import DTYPE_SIZES  # pylint: disable=g-import-not-at-top
     if not any(op.type in ORDER_INSENSITIVE_OPS
                for op in acd.ops_which_must_run):
         return
@@ -115,7 +109,7 @@ def _move_return_identities(acd):
             continue
         value = op.inputs[0]
         device = value.device
-        if (value.dtype.name in _SLOT_DTYPES and
+        if (value.dtype.name in DTYPE_SIZES and  # what a slot can hold
                 tf.DeviceSpec.from_string(device).device_type in (None, "CPU")):
             with tf.device(device):
                 copy = tf.raw_ops.DeepCopy(x=value)
