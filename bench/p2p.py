@@ -36,6 +36,11 @@ Two views of a transfer are reported for every size:
     One ``tf.function`` call that moves the tensor once, dispatch included:
     what a user sees for a single step.
 
+The tf_rdma ops match by call (``match_calls=True``), as ``@tf_rdma.rewrite``
+makes them: each write also carries the call's step id, so that calls which
+overlap never take each other's tensors. ``--in-order`` measures the older
+in-order pairing instead, to show what matching costs.
+
 Both functions end with ``y[0] + y[-1]`` on the receiving task, so only a
 scalar returns to the client, and the gRPC and tf_rdma scalars are compared
 bit for bit on every size.
@@ -156,6 +161,8 @@ def client_main(args):
 
     import tf_rdma
 
+    match_calls = not args.in_order
+
     transport = args.transport
     system = f"tf_rdma-{transport}"
     cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
@@ -188,9 +195,11 @@ def client_main(args):
                 x = v.read_value()
             for i in range(hops):
                 with tf.device(TASKS[i % 2]):
-                    tf_rdma.ops.send(x, plan, f"hop{i}")
+                    tf_rdma.ops.send(x, plan, f"hop{i}",
+                                     match_calls=match_calls)
                 with tf.device(TASKS[(i + 1) % 2]):
-                    x = tf_rdma.ops.recv(plan, f"hop{i}")
+                    x = tf_rdma.ops.recv(plan, f"hop{i}",
+                                         match_calls=match_calls)
             with tf.device(TASKS[hops % 2]):
                 return x[0] + x[-1]
         return fn
@@ -412,6 +421,8 @@ def run_cluster(transport, args):
               "--sizes"] + [str(s) for s in args.sizes]
     if args.hops:
         client += ["--hops", str(args.hops)]
+    if args.in_order:
+        client.append("--in-order")
     if transport != "shm" or args.no_grpc:
         client.append("--no-grpc")
     cmd = [sys.executable, "-m", "tf_rdma.cli", "launch", "-n", "2", "--"]
@@ -687,6 +698,7 @@ def orchestrate(args):
                "config": {"runs": args.runs, "warmup": WARMUP,
                           "sizes": list(args.sizes),
                           "transports": list(args.transports),
+                          "match_calls": not args.in_order,
                           "chain": chain,
                           "grpc_chain_check": clients.get("shm", {}).get(
                               "grpc_chain_check", []),
@@ -740,6 +752,9 @@ def build_parser():
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="hard limit per cluster run in seconds "
                              "(default 420; --quick 150)")
+    parser.add_argument("--in-order", action="store_true",
+                        help="pair sends and recvs in order instead of by "
+                             "call (what matching calls costs)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the servers' and launcher's output")
     # The client mode: run under tf-rdma launch by the orchestrator, or by

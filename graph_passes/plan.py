@@ -629,7 +629,7 @@ class Plan:
             "; the plan has no transfers")
         raise PlanError(f"plan {self._name!r} has no transfer {key!r}{hint}")
 
-    def op_attrs(self, key, side, timeout_ms=-1):
+    def op_attrs(self, key, side, timeout_ms=-1, match_calls=False):
         """Returns the attrs of the op that sends or receives ``key``.
 
         This is the contract between a plan and the TfRdmaSend / TfRdmaRecv
@@ -642,6 +642,11 @@ class Plan:
           side: ``"send"`` (the op on ``src``; its peer is ``dst``) or
             ``"recv"`` (the op on ``dst``; its peer is ``src``).
           timeout_ms: Milliseconds an op may wait, or -1 for TF_RDMA_TIMEOUT.
+          match_calls: True where calls of the function may overlap (the
+            rewrite): each write carries TensorFlow's step id of its call and
+            the recv takes only its own call's tensor. False pairs the n-th
+            send with the n-th recv, for programs where each task calls its
+            own function (each side's step ids differ). Both sides must agree.
 
         Raises:
           PlanError: If the plan has no transfer ``key`` or ``side`` is neither.
@@ -663,6 +668,7 @@ class Plan:
             shape=None if slot.shape is None else list(slot.shape),
             dynamic=slot.dynamic,
             timeout_ms=timeout_ms,
+            match_calls=bool(match_calls),
         )
 
     def _known_task(self, task):

@@ -26,7 +26,10 @@ its own and meets the others only in the slots.
 
 The step contract: every call of the rewritten function is one step, in
 which each planned send and recv runs exactly once (both ops are stateful
-and must run, so TensorFlow never prunes one side of a pair).
+and must run, so TensorFlow never prunes one side of a pair). The ops match
+by call (``match_calls``): a send tags its write with the step id that
+TensorFlow gives every component of one call, and only that call's recv
+takes it, so calls that overlap never exchange tensors.
 """
 
 import contextlib
@@ -294,11 +297,11 @@ def _rewrite_graph(analysis, timeout_ms):
         else:
             send_input = input_string(edge.producer, edge.index)
         _op_node(out, send_name, "TfRdmaSend", _task_device(edge.src), "T",
-                 slot.dtype, plan.op_attrs(edge.key, "send", timeout_ms),
+                 slot.dtype, plan.op_attrs(edge.key, "send", timeout_ms, match_calls=True),
                  [send_input])
         _op_node(out, recv_name, "TfRdmaRecv", _task_device(edge.dst),
                  "dtype", slot.dtype,
-                 plan.op_attrs(edge.key, "recv", timeout_ms))
+                 plan.op_attrs(edge.key, "recv", timeout_ms, match_calls=True))
         replacement = input_string(recv_name, -1 if edge.kind == CONTROL else 0)
         for consumer, input_slot in edge.consumers:
             node = nodes[consumer]

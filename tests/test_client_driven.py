@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import base_env, make_cluster, shm_segments
+from conftest import (base_env, make_cluster, shm_segments, start_servers,
+                      stop_servers)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,42 +63,6 @@ for step in range(5):
                     for p, q in zip(a, b)))
 print("RESULT " + json.dumps({"same": same}), flush=True)
 """
-
-
-def start_servers(cluster, env):
-    procs = []
-    for i in range(len(cluster["worker"])):
-        e = dict(env)
-        e["TF_CONFIG"] = json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": i}})
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tf_rdma.server"], env=e,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True))
-    for p in procs:  # wait for "ready" lines, bounded
-        deadline = time.monotonic() + 60
-        line = ""
-        while time.monotonic() < deadline and "ready" not in line:
-            line = p.stdout.readline()
-            if not line and p.poll() is not None:
-                pytest.fail("server died: " + p.stderr.read()[-3000:])
-        assert "tf_rdma server ready" in line, line
-    return procs
-
-
-def stop_servers(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    out = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            _, err = p.communicate()
-        out.append((p.returncode, err))
-    return out
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

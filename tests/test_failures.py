@@ -19,6 +19,7 @@ import json
 
 import pytest
 import tf_rdma
+import tf_rdma.server  # noqa: F401  (tf_rdma.server.remove_stale_segments)
 
 from conftest import (DATA_PATH_TRANSPORTS, collect, make_cluster, run_tasks,
                       shm_segments, spawn_task, use_transport)

@@ -19,10 +19,16 @@ as usual: gRPC dispatches the function to each task, tf_rdma moves the
 tensors. The regions are set up by the ops themselves on the first call (each
 task's endpoint opens its part of the plan; a peer with another plan hash is
 refused with both hashes in the error).
+
+Calls may come from several threads at once: every transfer carries the id
+TensorFlow gives the call (its step id), so a call only ever receives its own
+tensors, and at most ``depth`` calls of one function run at a time (more
+wait here), so that calls never wait for each other's slot copies.
 """
 
 import functools
 import inspect
+import threading
 
 import tensorflow as tf
 
@@ -44,7 +50,8 @@ def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
 
     Args:
       fn: The function to rewrite.
-      depth: Copies per slot (steps that may be in flight), 1 to 64.
+      depth: Copies per slot, 1 to 64: how many calls of the function may
+        run at once (further calls from other threads wait for one to end).
       timeout: Seconds any tf_rdma op may wait before failing with
         ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT`` on
         each task.
@@ -81,6 +88,12 @@ class RewrittenFunction:
             fn = tf.function(fn)
         self._fn = fn
         self._depth = depth
+        # Calls in flight hold at most one copy of each slot each; with no
+        # more calls than copies, a call never waits for another's copy
+        # (kernels/engine/engine.cc, "Matching calls"). A bad depth is
+        # reported by the plan, with the value, at the first trace.
+        self._in_flight = threading.BoundedSemaphore(
+            depth if isinstance(depth, int) and depth >= 1 else 1)
         self._timeout_ms = timeout_to_ms(timeout)
         self._endpoint_tasks = endpoint_tasks
         python_fn = getattr(fn, "python_function", fn)
@@ -98,7 +111,8 @@ class RewrittenFunction:
         functools.update_wrapper(self, python_fn)
 
     def __call__(self, *args, **kwargs):
-        return self._wrapper(*args, **kwargs)
+        with self._in_flight:
+            return self._wrapper(*args, **kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten concrete function for these arguments (traces it)."""

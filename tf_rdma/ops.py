@@ -15,7 +15,10 @@ and key, and the receiving task gets the tensor without a copy::
 
 Both ops are stateful; inside a ``tf.function`` TensorFlow runs a ``send``
 even though nothing consumes it. Each call is one step: the n-th ``send`` of
-a key pairs with the n-th ``recv``. Within a function, the sends (and the
+a key pairs with the n-th ``recv``. Where one client calls a function that
+places both ops (client-driven) and calls may overlap, pass
+``match_calls=True`` to both: each write then carries the call's step id and
+only that call's ``recv`` takes it (what ``@tf_rdma.rewrite`` does). Within a function, the sends (and the
 recvs) of one key run in program order; otherwise tf_rdma ops are not ordered
 against other stateful ops, so a ``recv`` may be written before its ``send``
 (see tf_rdma/_tf_private.py).
@@ -79,7 +82,7 @@ def _in_step_order(direction, plan, key, build):
     return result
 
 
-def send(tensor, plan, key, timeout=None, name=None):
+def send(tensor, plan, key, timeout=None, name=None, match_calls=False):
     """Writes `tensor` into its slot on the receiving task.
 
     Args:
@@ -89,6 +92,8 @@ def send(tensor, plan, key, timeout=None, name=None):
         timeout: Seconds to wait for a free slot before failing with
             ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT``.
         name: Optional op name.
+        match_calls: Pair by call rather than by order (see the module
+            docstring); the ``recv`` must say the same.
 
     Returns:
         The op (in graph mode) or None (eagerly).
@@ -98,7 +103,7 @@ def send(tensor, plan, key, timeout=None, name=None):
             is not the planned one.
     """
     slot = plan.slot(key)
-    attrs = plan.op_attrs(key, "send", timeout_to_ms(timeout))
+    attrs = plan.op_attrs(key, "send", timeout_to_ms(timeout), match_calls)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.dtype != tf.as_dtype(slot.dtype):
         raise PlanError(f"tensor {key!r} has dtype {tensor.dtype.name}, but the "
@@ -111,7 +116,7 @@ def send(tensor, plan, key, timeout=None, name=None):
         lambda: raw_ops().tf_rdma_send(tensor, name=name, **attrs))
 
 
-def recv(plan, key, timeout=None, name=None):
+def recv(plan, key, timeout=None, name=None, match_calls=False):
     """Returns the tensor the sending task wrote for this step, without a copy.
 
     Args:
@@ -120,6 +125,8 @@ def recv(plan, key, timeout=None, name=None):
         timeout: Seconds to wait for the data before failing with
             ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT``.
         name: Optional op name.
+        match_calls: Pair by call rather than by order; the ``send`` must
+            say the same.
 
     Returns:
         A tensor of the planned dtype and shape. Its memory is the slot; the
@@ -129,7 +136,7 @@ def recv(plan, key, timeout=None, name=None):
         PlanError: The key is not in the plan.
     """
     slot = plan.slot(key)
-    attrs = plan.op_attrs(key, "recv", timeout_to_ms(timeout))
+    attrs = plan.op_attrs(key, "recv", timeout_to_ms(timeout), match_calls)
     return _in_step_order(
         "recv", plan, key,
         lambda: raw_ops().tf_rdma_recv(dtype=tf.as_dtype(slot.dtype),

@@ -73,6 +73,10 @@ struct SendSlot {
   SlotSpec spec;
   std::mutex mu;
   StepCounter steps;
+  // match_calls, under mu: per copy, the step last written into it and
+  // whether a send is writing it now (AcquireCopy).
+  std::vector<uint64_t> issued;
+  std::vector<char> busy;
   // Set once by BindSendSlot (under mu), read lock-free after `bound`.
   std::atomic<bool> bound{false};
   std::shared_ptr<Connection> conn;
@@ -103,14 +107,23 @@ struct RecvSlot {
   SlotSpec spec;
   std::mutex mu;
   StepCounter steps;
-  // Inline polls in a row that missed their data (PollRecv).
+  // Inline polls in a row that missed their data, and polls (PollRecv).
   std::atomic<int> poll_misses{0};
+  std::atomic<uint32_t> polls{0};
+  // match_calls, under mu (MatchRecv): per copy, the step last taken, and
+  // the step first seen untaken with when it was seen; the calls whose
+  // recv failed, whose copies are dropped when they land.
+  std::vector<uint64_t> taken;
+  std::vector<uint64_t> seen_step;
+  std::vector<Clock::time_point> seen_at;
+  std::deque<uint64_t> abandoned;
   LocalRegion* region = nullptr;  // set at the first claim
 };
 
 namespace {
 
 const char kHandshakeVersion[] = "TFRDMA/1";
+constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 constexpr size_t kMaxLine = 4096;
 constexpr int kHandshakeTimeoutMs = 10000;
 
@@ -187,7 +200,7 @@ bool SameLayout(const SlotSpec& a, const SlotSpec& b) {
   return a.peer == b.peer && a.plan_hash == b.plan_hash &&
          a.region_bytes == b.region_bytes && a.credit_bytes == b.credit_bytes &&
          a.stride == b.stride && a.nbytes == b.nbytes && a.depth == b.depth &&
-         a.credit_index == b.credit_index;
+         a.credit_index == b.credit_index && a.match_calls == b.match_calls;
 }
 
 Status NotStarted() {
@@ -205,6 +218,16 @@ Status CheckSameSlot(const SlotSpec& spec, const SlotSpec& existing) {
                          std::to_string(spec.offset) + " of region '" +
                          spec.region + "' with a different layout than tensor '" +
                          existing.tensor_name + "'");
+}
+
+// The copy an in-order slot uses at `step` (steps count from 1).
+uint64_t CopyOf(const SlotSpec& spec, uint64_t step) {
+  return (step - 1) % static_cast<uint64_t>(spec.depth);
+}
+
+// Where copy `copy` of the slot starts in its region (its header).
+uint64_t CopyOffset(const SlotSpec& spec, uint64_t copy) {
+  return spec.offset + copy * spec.stride;
 }
 
 Status ClaimStep(StepCounter* steps, const SlotSpec& spec, uint64_t* step) {
@@ -427,9 +450,10 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
 
 Status SlotSpec::Validate() const {
   std::string what = "tensor '" + tensor_name + "' in region '" + region + "'";
-  if (depth < 1) {
+  if (depth < 1 || depth > kMaxSlotDepth) {
     return InvalidArgument(what + ": depth " + std::to_string(depth) +
-                           " must be >= 1");
+                           " must be in [1, " + std::to_string(kMaxSlotDepth) +
+                           "]");
   }
   if (stride < kSlotHeaderBytes + nbytes || stride % 64 != 0 ||
       offset % 64 != 0) {
@@ -460,8 +484,8 @@ Status SlotSpec::Validate() const {
 }
 
 std::string SlotSpec::Describe(uint64_t step) const {
-  return "tensor '" + tensor_name + "' (peer " + peer + ", step " +
-         std::to_string(step) + ")";
+  return "tensor '" + tensor_name + "' (peer " + peer +
+         (match_calls ? ", call " : ", step ") + std::to_string(step) + ")";
 }
 
 // ---------------------------------------------------------------------------
@@ -1306,7 +1330,8 @@ void Engine::RefuseWriter(const std::string& region_name, const Status& why) {
 // ---------------------------------------------------------------------------
 // Send.
 
-Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
+Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
+                         uint64_t call) {
   if (!started_) return NotStarted();
   SendSlot* slot;
   {
@@ -1316,15 +1341,22 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket) {
       TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
       entry.reset(new SendSlot());
       entry->spec = spec;
+      if (spec.match_calls) {
+        entry->issued.assign(spec.depth, 0);
+        entry->busy.assign(spec.depth, 0);
+      }
     } else {
       TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
   }
+  ticket->slot = slot;
+  ticket->call = call;
+  ticket->timeout_ms = TimeoutFor(spec);
+  if (spec.match_calls) return Status::Ok();  // the copy is chosen later
   std::lock_guard<std::mutex> lock(slot->mu);
   TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
-  ticket->slot = slot;
-  ticket->timeout_ms = TimeoutFor(spec);
+  ticket->copy = CopyOf(spec, ticket->step);
   return Status::Ok();
 }
 
@@ -1401,14 +1433,9 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
 
 namespace {
 
-uint64_t CopyOf(const SlotSpec& spec, uint64_t step) {
-  return (step - 1) % static_cast<uint64_t>(spec.depth);
-}
-
 std::atomic<uint64_t>* CreditWord(Region* credits, const SlotSpec& spec,
-                                  uint64_t step) {
-  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth +
-                  CopyOf(spec, step);
+                                  uint64_t copy) {
+  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth + copy;
   return credits->Word(line * kCreditLineBytes);
 }
 
@@ -1424,7 +1451,18 @@ bool Engine::CreditReady(const SendTicket& ticket) const {
   SendSlot* slot = ticket.slot;
   if (!slot->bound.load(std::memory_order_acquire)) return false;
   const SlotSpec& spec = slot->spec;
-  return CreditWord(slot->credits, spec, ticket.step)
+  if (spec.match_calls) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    for (int64_t c = 0; c < spec.depth; ++c) {
+      if (!slot->busy[c] &&
+          CreditWord(slot->credits, spec, c)->load(std::memory_order_acquire) >=
+              slot->issued[c]) {
+        return true;
+      }
+    }
+    return false;
+  }
+  return CreditWord(slot->credits, spec, ticket.copy)
              ->load(std::memory_order_acquire) >=
          CreditNeeded(spec, ticket.step);
 }
@@ -1445,7 +1483,7 @@ bool Engine::TrySendDynamicNow(const SendTicket& ticket, const void* data,
 
 Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
   Status s = SendStep(ticket, data, nullptr);
-  if (!s.ok()) {
+  if (!s.ok() && !ticket.slot->spec.match_calls) {
     std::lock_guard<std::mutex> lock(ticket.slot->mu);
     GiveBackStep(&ticket.slot->steps, ticket.step, s);
   }
@@ -1455,7 +1493,7 @@ Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
 Status Engine::FinishSendDynamic(const SendTicket& ticket, const void* data,
                                  const DynamicMeta& meta) {
   Status s = SendStep(ticket, data, &meta);
-  if (!s.ok()) {
+  if (!s.ok() && !ticket.slot->spec.match_calls) {
     std::lock_guard<std::mutex> lock(ticket.slot->mu);
     GiveBackStep(&ticket.slot->steps, ticket.step, s);
   }
@@ -1495,18 +1533,19 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
     capacity = slot->capacity;
     handle = slot->payload_handle;
   }
-  uint64_t copy = CopyOf(spec, ticket.step);
+  uint64_t copy = ticket.copy;
   meta->generation = generation;
   return slot->conn->pair->Write(
       handle, kDynamicHeaderBytes + copy * capacity, data, meta->nbytes,
       copy * kCreditLineBytes, ticket.step);
 }
 
-Status Engine::SendStep(const SendTicket& ticket, const void* data,
+Status Engine::SendStep(SendTicket ticket, const void* data,
                         const DynamicMeta* dynamic) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
-  std::string what = "tf_rdma send of " + spec.Describe(ticket.step);
+  std::string what = "tf_rdma send of " +
+                     spec.Describe(spec.match_calls ? ticket.call : ticket.step);
   Deadline deadline(ticket.timeout_ms);
   Status s = BindSendSlot(slot, deadline);
   if (!s.ok()) {
@@ -1514,10 +1553,19 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
                ? DeadlineExceeded(what + ": " + s.message())
                : s.Prefixed(what);
   }
-  s = WaitForWord(CreditWord(slot->credits, spec, ticket.step),
-                  CreditNeeded(spec, ticket.step), deadline,
-                  [&] { return CheckPeerAlive(slot->conn, what); });
-  if (!s.ok()) {
+  if (spec.match_calls) {
+    TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, deadline, what));
+    // The call's id first, then the data and the step's notice: a reader
+    // that sees the notice sees the id (writes on a pair apply in order).
+    s = slot->conn->pair->Write(
+        slot->data_handle, 0, nullptr, 0,
+        CopyOffset(spec, ticket.copy) + kCallWordOffset, ticket.call);
+  } else {
+    s = WaitForWord(CreditWord(slot->credits, spec, ticket.copy),
+                    CreditNeeded(spec, ticket.step), deadline,
+                    [&] { return CheckPeerAlive(slot->conn, what); });
+  }
+  if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
       return DeadlineExceeded(
           what + ": " + s.message() + " waiting for the receiver to release "
@@ -1532,10 +1580,10 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
     // sees the notice only after the bytes it describes (same connection,
     // writes applied in order).
     meta = *dynamic;
-    s = WriteDynamicPayload(ticket, data, &meta);
+    if (s.ok()) s = WriteDynamicPayload(ticket, data, &meta);
     data = &meta;
   }
-  uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
+  uint64_t copy = CopyOffset(spec, ticket.copy);
   if (s.ok()) {
     uint64_t nbytes = spec.nbytes;
     if (dynamic == nullptr && ticket.nbytes != 0 && ticket.nbytes < nbytes) {
@@ -1543,6 +1591,11 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
     }
     s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes,
                                 data, nbytes, copy, ticket.step);
+  }
+  if (spec.match_calls) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    if (s.ok()) slot->issued[ticket.copy] = ticket.step;
+    slot->busy[ticket.copy] = 0;
   }
   if (!s.ok()) {
     if (slot->conn->pair->broken()) CloseConnection(slot->conn, s);
@@ -1553,9 +1606,206 @@ Status Engine::SendStep(const SendTicket& ticket, const void* data,
 }
 
 // ---------------------------------------------------------------------------
+// Matching calls (SlotSpec::match_calls).
+//
+// The in-order protocol pairs the writer's n-th send on a slot with the
+// reader's n-th recv: each side counts its own ops. That is right while one
+// call of a function runs at a time, and wrong as soon as calls overlap (two
+// client threads calling one rewritten function, asynchronous training):
+// the writer's step k and the reader's step k can then belong to different
+// calls, and a call silently receives another call's tensor. A call that
+// fails between its send and its recv leaves the two counts apart the same
+// way.
+//
+// A rewritten function's ops therefore match by call instead. TensorFlow
+// runs every component of one multi-device function call, on every task,
+// with the same step id (it keys its own Send/Recv rendezvous by it), and
+// each planned edge moves exactly once per call. So:
+//   writer: take any copy that is free (not being written, and released by
+//     the reader since its last write), give it the slot's next step, write
+//     the call's id into the copy's header (kCallWordOffset), then the data
+//     with the step as the notice.
+//   reader: take the copy whose notice is newer than what it last took from
+//     that copy and whose header names its own call; release it as before
+//     (the copy's credit word := its step).
+// Copies are chosen when the data is written, not when an op claims its
+// step: with copies bound in claim order, two calls that reach two slots in
+// opposite orders could each hold the copy the other waits for. With free
+// choice, a call that waits for a copy waits only for calls that will finish
+// without it, as long as no more than `depth` calls are in flight, which the
+// Python side bounds (tf_rdma/decorator.py). More calls in flight than that
+// (say, two client processes) are still correct, but may wait for each
+// other until the timeout.
+//
+// A copy no recv will ever take — its call's recv failed (Abandon), or never
+// ran because the call failed elsewhere — would keep its copy forever. The
+// reader drops such copies when it sees them: at once for a call whose recv
+// failed, and after the slot's timeout for any other call's copy that nobody
+// took (a live call's recv starts with its call, long before that).
+//
+// Cost: one extra notice-only write per send (the call id: a store on shm, a
+// frame header on tcp, a message on verbs) and a scan of `depth` header
+// words per recv.
+
+Status Engine::AcquireCopy(SendTicket* ticket, const Deadline& deadline,
+                           const std::string& what) {
+  SendSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  std::vector<WordWatch> watch;
+  Clock::time_point next_check = Clock::now();
+  while (true) {
+    bool writing = false;  // a copy is busy: it frees without a notice
+    watch.clear();
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      for (int64_t c = 0; c < spec.depth; ++c) {
+        std::atomic<uint64_t>* credit = CreditWord(slot->credits, spec, c);
+        uint64_t released = credit->load(std::memory_order_acquire);
+        if (slot->busy[c]) {
+          writing = true;
+        } else if (released >= slot->issued[c]) {
+          slot->busy[c] = 1;
+          ticket->copy = static_cast<uint64_t>(c);
+          ticket->step = ++slot->steps.claimed;
+          return Status::Ok();
+        }
+        watch.push_back(
+            WordWatch{credit, static_cast<uint32_t>(released), true});
+      }
+    }
+    Clock::time_point now = Clock::now();
+    if (now >= deadline.at()) {
+      return DeadlineExceeded(
+          what + ": timed out after " + std::to_string(deadline.timeout_ms()) +
+          " ms waiting for the receiver to release one of the slot's " +
+          std::to_string(spec.depth) + " copies (the calls in flight hold " +
+          "them)");
+    }
+    if (now >= next_check) {
+      TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(slot->conn, what));
+      next_check = now + std::chrono::milliseconds(kCheckEveryMs);
+    }
+    Clock::time_point until = std::min(deadline.at(), next_check);
+    if (writing) {
+      until = std::min(until, now + std::chrono::microseconds(20));
+    }
+    if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()), until)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+bool Engine::MatchRecv(RecvTicket* ticket, bool take) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  Region* memory = slot->region->memory.get();
+  std::vector<RecvTicket> dropped;
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    Clock::time_point now{};
+    for (int64_t c = 0; c < spec.depth; ++c) {
+      uint64_t at = CopyOffset(spec, c);
+      uint64_t step = memory->Word(at)->load(std::memory_order_acquire);
+      if (step <= slot->taken[c]) continue;
+      uint64_t call =
+          memory->Word(at + kCallWordOffset)->load(std::memory_order_relaxed);
+      auto gone = std::find(slot->abandoned.begin(), slot->abandoned.end(),
+                            call);
+      bool drop = gone != slot->abandoned.end();
+      if (drop) {
+        slot->abandoned.erase(gone);
+      } else if (call == ticket->call) {
+        if (!found || step < ticket->step) {
+          found = true;
+          ticket->step = step;
+          ticket->copy = static_cast<uint64_t>(c);
+        }
+        continue;
+      } else {
+        if (now == Clock::time_point{}) now = Clock::now();
+        if (slot->seen_step[c] != step) {
+          slot->seen_step[c] = step;
+          slot->seen_at[c] = now;
+        }
+        drop = now - slot->seen_at[c] >
+               std::chrono::milliseconds(TimeoutFor(spec));
+      }
+      if (drop) {
+        slot->taken[c] = step;
+        RecvTicket orphan = *ticket;
+        orphan.step = step;
+        orphan.copy = static_cast<uint64_t>(c);
+        orphan.call = call;
+        dropped.push_back(orphan);
+      }
+    }
+    if (found && take) slot->taken[ticket->copy] = ticket->step;
+  }
+  for (const RecvTicket& orphan : dropped) {
+    Log("dropped the " + spec.Describe(orphan.call) +
+        ": no recv of that call took it (the call failed)");
+    Release(orphan);
+  }
+  if (found) {
+    ticket->payload =
+        memory->data() + CopyOffset(spec, ticket->copy) + kSlotHeaderBytes;
+  }
+  return found;
+}
+
+Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  Region* memory = slot->region->memory.get();
+  std::string what = "tf_rdma recv of " + spec.Describe(ticket->call);
+  std::vector<WordWatch> watch(spec.depth);
+  Clock::time_point next_check =
+      Clock::now() + std::chrono::milliseconds(kCheckEveryMs);
+  while (true) {
+    for (int64_t c = 0; c < spec.depth; ++c) {
+      const std::atomic<uint64_t>* word = memory->Word(CopyOffset(spec, c));
+      watch[c] = WordWatch{
+          word,
+          static_cast<uint32_t>(word->load(std::memory_order_acquire)), true};
+    }
+    if (MatchRecv(ticket, /*take=*/false)) return Status::Ok();
+    Clock::time_point now = Clock::now();
+    if (now >= deadline.at()) {
+      return RecvTimedOut(slot, what,
+                          DeadlineExceeded("timed out after " +
+                                           std::to_string(deadline.timeout_ms()) +
+                                           " ms"));
+    }
+    if (now >= next_check) {
+      TF_RDMA_RETURN_IF_ERROR(RecvCheck(slot, what));
+      next_check = now + std::chrono::milliseconds(kCheckEveryMs);
+    }
+    if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()),
+                        std::min(deadline.at(), next_check))) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+void Engine::Abandon(const RecvTicket& ticket) {
+  {
+    std::lock_guard<std::mutex> lock(ticket.slot->mu);
+    std::deque<uint64_t>& abandoned = ticket.slot->abandoned;
+    abandoned.push_back(ticket.call);
+    if (abandoned.size() > static_cast<size_t>(kMaxSlotDepth)) {
+      abandoned.pop_front();
+    }
+  }
+  RecvTicket scan = ticket;
+  MatchRecv(&scan, /*take=*/false);  // drops the copy if it already landed
+}
+
+// ---------------------------------------------------------------------------
 // Recv.
 
-Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
+Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
+                         uint64_t call) {
   if (!started_) return NotStarted();
   RecvSlot* slot;
   {
@@ -1573,22 +1823,31 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket) {
       entry.reset(new RecvSlot());
       entry->spec = spec;
       entry->region = region;
+      if (spec.match_calls) {
+        entry->taken.assign(spec.depth, 0);
+        entry->seen_step.assign(spec.depth, 0);
+        entry->seen_at.assign(spec.depth, Clock::time_point{});
+      }
     } else {
       TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
   }
+  ticket->slot = slot;
+  ticket->call = call;
+  ticket->timeout_ms = TimeoutFor(spec);
+  if (spec.match_calls) return Status::Ok();  // the copy is found later
   std::lock_guard<std::mutex> lock(slot->mu);
   TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
-  ticket->slot = slot;
-  ticket->timeout_ms = TimeoutFor(spec);
+  ticket->copy = CopyOf(spec, ticket->step);
   return Status::Ok();
 }
 
 bool Engine::TryRecvNow(RecvTicket* ticket) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
-  uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
+  if (spec.match_calls) return MatchRecv(ticket, /*take=*/true);
+  uint64_t copy = CopyOffset(spec, ticket->copy);
   Region* memory = slot->region->memory.get();
   if (memory->Word(copy)->load(std::memory_order_acquire) < ticket->step) {
     return false;
@@ -1604,7 +1863,8 @@ bool Engine::PollRecv(RecvTicket* ticket) {
   // only hold TensorFlow's thread: after two misses in a row, poll only
   // every 8th step, to notice when the pattern changes.
   std::atomic<int>& misses = ticket->slot->poll_misses;
-  if (misses.load(std::memory_order_relaxed) >= 2 && ticket->step % 8 != 0) {
+  uint32_t poll = ticket->slot->polls.fetch_add(1, std::memory_order_relaxed);
+  if (misses.load(std::memory_order_relaxed) >= 2 && poll % 8 != 0) {
     return false;
   }
   if (PollRecvFor(ticket)) {
@@ -1628,13 +1888,23 @@ bool Engine::PollRecvFor(RecvTicket* ticket) {
 }
 
 Status Engine::FinishRecv(RecvTicket* ticket) {
-  if (TryRecvNow(ticket)) return Status::Ok();
-  Status s = RecvStep(ticket, Deadline(ticket->timeout_ms));
-  if (!s.ok()) GiveBackRecv(ticket, s);
-  return s;
+  Deadline deadline(ticket->timeout_ms);
+  while (!TryRecvNow(ticket)) {
+    Status s = RecvStep(ticket, deadline);
+    if (!s.ok()) {
+      GiveBackRecv(ticket, s);
+      return s;
+    }
+    if (!ticket->slot->spec.match_calls) return Status::Ok();
+  }
+  return Status::Ok();
 }
 
 void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
+  if (ticket->slot->spec.match_calls) {
+    Abandon(*ticket);
+    return;
+  }
   std::lock_guard<std::mutex> lock(ticket->slot->mu);
   GiveBackStep(&ticket->slot->steps, ticket->step, why);
 }
@@ -1662,8 +1932,9 @@ Status Engine::RecvTimedOut(RecvSlot* slot, const std::string& what,
 Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
+  if (spec.match_calls) return WaitForMatch(ticket, deadline);
   std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
-  uint64_t copy = spec.offset + CopyOf(spec, ticket->step) * spec.stride;
+  uint64_t copy = CopyOffset(spec, ticket->copy);
   Region* memory = slot->region->memory.get();
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
                          [&] { return RecvCheck(slot, what); });
@@ -1681,7 +1952,9 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::memcpy(meta, ticket->payload, sizeof(DynamicMeta));
-  std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
+  std::string what = "tf_rdma recv of " +
+                     spec.Describe(spec.match_calls ? ticket->call
+                                                    : ticket->step);
   if (meta->rank > static_cast<uint64_t>(kMaxDynamicRank)) {
     return InvalidArgument(what + ": the sender wrote rank " +
                            std::to_string(meta->rank) + ", more than " +
@@ -1712,8 +1985,8 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
                            "' of " + std::to_string(capacity) +
                            " bytes per copy");
   }
-  ticket->payload = area->memory->data() + kDynamicHeaderBytes +
-                    CopyOf(spec, ticket->step) * capacity;
+  ticket->payload =
+      area->memory->data() + kDynamicHeaderBytes + ticket->copy * capacity;
   return Status::Ok();
 }
 
@@ -1728,13 +2001,14 @@ void Engine::Release(const RecvTicket& ticket) {
     handle = slot->region->credit_handle;
   }
   if (!writer || stopping_) return;
-  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth +
-                  CopyOf(spec, ticket.step);
+  uint64_t line =
+      static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
                                  line * kCreditLineBytes, ticket.step);
   if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
-    Log("could not return the credit of " + spec.Describe(ticket.step) + ": " +
+    Log("could not return the credit of " +
+        spec.Describe(spec.match_calls ? ticket.call : ticket.step) + ": " +
         s.message());
   }
 }
@@ -1786,34 +2060,42 @@ void Engine::Release(const RecvTicket& ticket) {
 // (TensorFlow's only queues the successors). Sends that wait for a credit
 // still use engine threads: in practice their credit is already there.
 
-namespace {
-
-constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
-
-}  // namespace
-
 struct Engine::PendingRecv {
+  Engine* engine;
   RecvTicket ticket;
   RecvDone done;
   Deadline deadline{0};
-  const std::atomic<uint64_t>* word;  // the copy's sequence word
+  // The sequence words to watch: the copy's, or with match_calls every
+  // copy's (the data may land in any).
+  std::vector<const std::atomic<uint64_t>*> words;
   Clock::time_point next_check;       // poller thread only
   bool handed_off = false;            // poller thread only
   std::atomic<bool> taken{false};     // whoever sets it completes the wait
 
-  bool Landed() const {
-    return word->load(std::memory_order_acquire) >= ticket.step;
+  bool Landed() {
+    if (ticket.slot->spec.match_calls) {
+      RecvTicket peek = ticket;
+      return engine->MatchRecv(&peek, /*take=*/false);
+    }
+    return words[0]->load(std::memory_order_acquire) >= ticket.step;
   }
 };
 
 void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
   const SlotSpec& spec = ticket.slot->spec;
-  uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
+  Region* memory = ticket.slot->region->memory.get();
   auto p = std::make_shared<PendingRecv>();
+  p->engine = this;
   p->ticket = ticket;
   p->done = std::move(done);
   p->deadline = Deadline(ticket.timeout_ms);
-  p->word = ticket.slot->region->memory->Word(copy);
+  if (spec.match_calls) {
+    for (int64_t c = 0; c < spec.depth; ++c) {
+      p->words.push_back(memory->Word(CopyOffset(spec, c)));
+    }
+  } else {
+    p->words.push_back(memory->Word(CopyOffset(spec, ticket.copy)));
+  }
   p->next_check = Clock::now() + std::chrono::milliseconds(kCheckEveryMs);
   std::call_once(poller_once_, [this] {
     std::thread([this] { PollerLoop(); }).detach();
@@ -1838,21 +2120,19 @@ void Engine::RingPoller() {
 bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
                          const Status& s) {
   if (p->taken.exchange(true, std::memory_order_acq_rel)) return false;
+  RecvTicket ticket = p->ticket;
+  if (s.ok() && !TryRecvNow(&ticket)) {
+    // match_calls: another recv of the same call took the copy first.
+    p->taken.store(false, std::memory_order_release);
+    return false;
+  }
   {
     std::lock_guard<std::mutex> lock(poller_mu_);
     auto it = std::find(waiting_.begin(), waiting_.end(), p);
     if (it != waiting_.end()) waiting_.erase(it);
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
-  RecvTicket ticket = p->ticket;
-  if (s.ok()) {
-    const SlotSpec& spec = ticket.slot->spec;
-    uint64_t copy = spec.offset + CopyOf(spec, ticket.step) * spec.stride;
-    ticket.payload =
-        ticket.slot->region->memory->data() + copy + kSlotHeaderBytes;
-  } else {
-    GiveBackRecv(&ticket, s);
-  }
+  if (!s.ok()) GiveBackRecv(&ticket, s);
   p->done(s, ticket);
   return true;
 }
@@ -1961,19 +2241,27 @@ void Engine::PollerLoop() {
     watch.push_back(WordWatch{&poller_bell_, bell_seen, false});
     bool landed = false;
     for (auto& p : pending) {
-      if (watch.size() >= static_cast<size_t>(kMaxWatchedWords) ||
+      if (watch.size() + p->words.size() >
+              static_cast<size_t>(kMaxWatchedWords) ||
           !have_waitv_) {
         p->handed_off = true;
         Schedule([this, p] {
-          RecvTicket ticket = p->ticket;
-          Status s = RecvStep(&ticket, p->deadline);
-          TakePending(p, s.ok() || !p->Landed() ? s : Status::Ok());
+          // Until this call completes it (a match_calls copy can be taken
+          // by a sibling recv of the same call between the wait and here).
+          do {
+            RecvTicket ticket = p->ticket;
+            Status s = RecvStep(&ticket, p->deadline);
+            if (!s.ok() && p->Landed()) s = Status::Ok();
+            if (TakePending(p, s)) break;
+          } while (!p->taken.load(std::memory_order_acquire));
         });
         continue;
       }
-      uint64_t v = p->word->load(std::memory_order_acquire);
-      if (v >= p->ticket.step) landed = true;
-      watch.push_back(WordWatch{p->word, static_cast<uint32_t>(v), true});
+      for (const std::atomic<uint64_t>* word : p->words) {
+        uint64_t v = word->load(std::memory_order_acquire);
+        watch.push_back(WordWatch{word, static_cast<uint32_t>(v), true});
+      }
+      if (p->Landed()) landed = true;
       until = std::min(until, std::min(p->next_check, p->deadline.at()));
     }
     if (landed) continue;

@@ -46,6 +46,11 @@
 namespace tf_rdma {
 
 constexpr uint64_t kSlotHeaderBytes = 64;
+// Where a copy's header holds the id of the call that wrote it (match_calls);
+// its first word is the sequence word.
+constexpr uint64_t kCallWordOffset = 8;
+// Copies per slot at most (graph_passes/plan.py MAX_DEPTH).
+constexpr int64_t kMaxSlotDepth = 64;
 constexpr uint64_t kCreditLineBytes = 64;
 // A send polls the process's waiting recvs for this many times poll_us.
 constexpr int64_t kHelpPollFactor = 4;
@@ -112,11 +117,16 @@ struct SlotSpec {
   int64_t depth = 2;
   int64_t credit_index = 0;
   int64_t timeout_ms = -1;  // < 0: the engine's default
+  // Calls of a rewritten function may overlap: each write carries the
+  // call's id and the reader takes only its own call's copy (see "Matching
+  // calls" in engine.cc). false: both sides pair their ops in order.
+  bool match_calls = false;
 
   // Checks that the slot fits its region and its credit line fits the credit
   // region; the message names the values.
   Status Validate() const;
-  // "tensor 'x' (peer /job:worker/task:1, step 7)" for error messages.
+  // "tensor 'x' (peer /job:worker/task:1, step 7)" for error messages; with
+  // match_calls, `step` is the call's id ("call 7").
   std::string Describe(uint64_t step) const;
 };
 
@@ -129,7 +139,9 @@ struct SendRegion;
 // A claimed step of a send: which copy, and where the payload goes.
 struct SendTicket {
   SendSlot* slot = nullptr;
-  uint64_t step = 0;
+  uint64_t step = 0;  // match_calls: chosen when the copy is (SendStep)
+  uint64_t copy = 0;  // which of the slot's `depth` copies
+  uint64_t call = 0;  // match_calls: the call's id, written with the data
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
   // Bytes to write, if fewer than the slot's nbytes (a collective's last,
   // shorter block); 0: the slot's nbytes.
@@ -139,7 +151,9 @@ struct SendTicket {
 // A claimed step of a recv.
 struct RecvTicket {
   RecvSlot* slot = nullptr;
-  uint64_t step = 0;
+  uint64_t step = 0;  // match_calls: the writer's step of the copy taken
+  uint64_t copy = 0;
+  uint64_t call = 0;  // match_calls: take only a copy written by this call
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
   uint8_t* payload = nullptr;  // valid once the recv completed ok
 };
@@ -163,7 +177,9 @@ class Engine {
   // step that fails is retried by the next op on the slot (see StepCounter).
   // TrySendNow does it all without blocking if the slot is connected and
   // the credit is already there; returns false if it would have to wait.
-  Status ClaimSend(const SlotSpec& spec, SendTicket* ticket);
+  // `call` identifies the op's call where spec.match_calls.
+  Status ClaimSend(const SlotSpec& spec, SendTicket* ticket,
+                   uint64_t call = 0);
   bool TrySendNow(const SendTicket& ticket, const void* data, Status* status);
   Status FinishSend(const SendTicket& ticket, const void* data);
   // The same for a dynamic slot: `data` holds meta.nbytes bytes.
@@ -175,7 +191,8 @@ class Engine {
   // Recv: ClaimRecv, then PollRecv or WaitRecvAsync (bounded); TryRecvNow
   // succeeds only if the data is already there. After a successful finish
   // the caller owns the slot copy until it calls Release.
-  Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket);
+  Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
+                   uint64_t call = 0);
   bool TryRecvNow(RecvTicket* ticket);
   // TryRecvNow, polled for up to config().poll_us microseconds on the
   // caller's thread. Handing a wait to an engine thread and waking it when
@@ -257,8 +274,15 @@ class Engine {
   Status OpenSendRegion(const SlotSpec& spec,
                         const std::shared_ptr<Connection>& conn,
                         const Deadline& deadline, SendRegion* region);
-  Status SendStep(const SendTicket& ticket, const void* data,
+  Status SendStep(SendTicket ticket, const void* data,
                   const DynamicMeta* meta);
+  // Matching calls (engine.cc): the writer takes any free copy, the reader
+  // the copy its call's writer filled.
+  Status AcquireCopy(SendTicket* ticket, const Deadline& deadline,
+                     const std::string& what);
+  bool MatchRecv(RecvTicket* ticket, bool take);
+  Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline);
+  void Abandon(const RecvTicket& ticket);
   Status WriteDynamicPayload(const SendTicket& ticket, const void* data,
                              DynamicMeta* meta);
   bool PollRecvFor(RecvTicket* ticket);  // PollRecv's loop

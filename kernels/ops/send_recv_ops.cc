@@ -47,7 +47,8 @@ using tensorflow::shape_inference::InferenceContext;
       .Attr("credit_index: int >= 0")                                      \
       .Attr("shape: shape")                                                \
       .Attr("dynamic: bool = false")                                       \
-      .Attr("timeout_ms: int = -1")
+      .Attr("timeout_ms: int = -1")                                        \
+      .Attr("match_calls: bool = false")
 
 // The planned shape: fully defined for a static slot; a dynamic slot's may
 // have unknown dimensions or an unknown rank.
@@ -85,6 +86,7 @@ absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
   TF_RETURN_IF_ERROR(ctx->GetAttr("depth", &spec->depth));
   TF_RETURN_IF_ERROR(ctx->GetAttr("credit_index", &spec->credit_index));
   TF_RETURN_IF_ERROR(ctx->GetAttr("timeout_ms", &spec->timeout_ms));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("match_calls", &spec->match_calls));
   TF_RETURN_IF_ERROR(ctx->GetAttr("shape", shape));
   TF_RETURN_IF_ERROR(ctx->GetAttr("dynamic", dynamic));
   if (*dynamic) {
@@ -108,6 +110,13 @@ absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
   return ToTf(spec->Validate());
 }
 
+// The call an op runs in, for slots that match calls: TensorFlow gives every
+// component of one multi-device function call, on every task, the same step
+// id (engine.cc, "Matching calls").
+uint64_t CallOf(OpKernelContext* ctx) {
+  return static_cast<uint64_t>(ctx->step_id());
+}
+
 class SendOp : public AsyncOpKernel {
  public:
   explicit SendOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -128,7 +137,8 @@ class SendOp : public AsyncOpKernel {
         done);
     Engine* engine = Engine::Get();
     SendTicket ticket;
-    OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimSend(spec_, &ticket)), done);
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ToTf(engine->ClaimSend(spec_, &ticket, CallOf(ctx))), done);
     DynamicMeta meta;
     if (dynamic_) {
       meta.nbytes = input.tensor_data().size();
@@ -173,7 +183,8 @@ class RecvOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     Engine* engine = Engine::Get();
     RecvTicket ticket;
-    OP_REQUIRES_OK_ASYNC(ctx, ToTf(engine->ClaimRecv(spec_, &ticket)), done);
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ToTf(engine->ClaimRecv(spec_, &ticket, CallOf(ctx))), done);
     if (engine->PollRecv(&ticket)) {
       Emit(ctx, ticket);
       done();
@@ -257,6 +268,9 @@ demand and the slot carries the shape. Waits, without holding
 an inter-op thread, for the slot copy to be free (a credit from the receiver)
 when `depth` steps are in flight. Fails with DeadlineExceeded after
 `timeout_ms` (or TF_RDMA_TIMEOUT), with Unavailable if the peer went away.
+With `match_calls`, the write carries the call's step id and only the recv
+of the same call takes it, so calls may overlap; without it, the n-th send
+pairs with the peer's n-th recv.
 )doc");
 
 REGISTER_OP("TfRdmaRecv")
