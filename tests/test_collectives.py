@@ -345,3 +345,54 @@ wait_file("done")
     assert 2.5 < seconds < 10, seconds
     kind, message = got["mismatch"]
     assert "plan hash mismatch" in message or "hash" in message, got
+
+
+# all_gather_v: 3 ranks with different row counts (one with none), counts
+# that change from call to call, every algorithm, inside a tf.function with
+# an unknown first dimension; then a rank whose rows have another width:
+# every rank fails with both shapes, none hangs.
+GATHER_V = r"""
+start(timeout=20)
+from tf_rdma import collectives as C
+g = C.default_group()
+P, r = g.size, g.rank
+def rows(rank, call):
+    n = (rank * 3 + call) % 5 if rank != 1 else 0 if call == 0 else call
+    return np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * rank + call
+
+@tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+def gather(x):
+    return C.all_gather_v(x, algorithm=ALG, name="gv/" + ALG)
+
+out = {}
+for ALG in ["lp", "ring", "tree", "rhd"]:
+    ok = []
+    for call in range(4):
+        y = gather(tf.constant(rows(r, call))).numpy()
+        want = np.concatenate([rows(q, call) for q in range(P)])
+        ok.append(y.shape == want.shape and np.array_equal(y, want))
+    out[ALG] = ok
+idx = C.all_gather_v(tf.constant([r] * (r + 1), tf.int64), name="gv/idx")
+out["int64"] = idx.numpy().tolist()
+try:
+    width = 4 if r != 2 else 5
+    C.all_gather_v(tf.ones([2, width]), name="gv/bad")
+    out["mismatch"] = None
+except tf.errors.OpError as e:
+    out["mismatch"] = type(e).__name__ + ": " + e.message
+result(out)
+"""
+
+
+def test_all_gather_v_rows_that_differ_by_rank_and_call():
+    out = run_tasks({f"/job:worker/task:{i}": GATHER_V for i in range(3)},
+                    timeout=150)
+    for task, res in out.items():
+        r = res.result
+        for alg in ("lp", "ring", "tree", "rhd"):
+            assert r[alg] == [True] * 4, (task, alg)
+        assert r["int64"] == [0, 1, 1, 2, 2, 2]
+        assert r["mismatch"].startswith("InvalidArgumentError"), r["mismatch"]
+        assert "2 rows of 5 elements of float" in r["mismatch"] or \
+            "2 rows of 4 elements of float" in r["mismatch"], r["mismatch"]
+        assert "/job:worker/task:2" in r["mismatch"], r["mismatch"]

@@ -378,6 +378,62 @@ def test_killed_worker_fails_fast():
         assert part in err["message"], (part, err)
 
 
+# CommunicationOptions reach the collectives: bytes_per_pack sets the bucket
+# size of that call, implementation=RING is logged once and ignored, and
+# timeout_seconds bounds the call (worker:1 never joins the second reduce;
+# TF_RDMA_TIMEOUT is 60 s, the option 2 s).
+OPTIONS = """
+import tf_rdma.distribute
+from tf_rdma.graph_passes.buckets import BucketPlan
+CO = tf.distribute.experimental.CommunicationOptions
+index = int(task.rsplit(":", 1)[1])
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(cluster), task_type="worker", task_id=index)
+strategy = tf_rdma.distribute.RdmaStrategy(cluster_resolver=resolver)
+grads = [tf.fill([1000], float(index + 1)), tf.fill([1000], 2.0)]
+ring = CO(bytes_per_pack=4096,
+          implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+
+@tf.function
+def reduce_with(options):
+    ctx = lambda: tf.distribute.get_replica_context().all_reduce(
+        "SUM", grads, options=options)
+    return strategy.run(ctx)
+
+out = reduce_with(ring)
+sums = [float(t[0]) for t in out]
+plans = [BucketPlan.from_json(p.to_json()) for p in strategy.bucket_plans]
+res = {"sums": sums, "buckets": [len(p.buckets) for p in plans],
+       "bucket_bytes": [p.bucket_bytes for p in plans]}
+if index == 0:
+    t0 = time.monotonic()
+    try:
+        reduce_with(CO(timeout_seconds=2))
+        res["error"] = None
+    except tf.errors.OpError as e:
+        res["error"] = type(e).__name__
+        res["elapsed_s"] = time.monotonic() - t0
+    touch("done")
+else:
+    wait_file("done")
+result(res)
+"""
+
+
+def test_communication_options_are_honoured(tmp_path):
+    out = run_tasks({"worker:0": OPTIONS, "worker:1": OPTIONS},
+                    env={"TF_RDMA_TIMEOUT": "60",
+                         "TEST_SYNC_DIR": str(tmp_path)}, timeout=150)
+    r0, r1 = out["worker:0"].result, out["worker:1"].result
+    assert r0["sums"] == r1["sums"] == [3.0, 4.0]
+    # 4,000 bytes each: two buckets of at most 4 KiB, not one of the default.
+    assert r0["buckets"] == [2] and r0["bucket_bytes"] == [4096]
+    assert r0["error"] == "DeadlineExceededError", r0
+    assert 2 <= r0["elapsed_s"] < 10, r0
+    err = out["worker:0"].stderr
+    assert err.count("CommunicationOptions(implementation=RING) is not used") == 1
+
+
 # ---------------------------------------------------------------------------
 # In this process: the cluster a strategy sees, and the errors it raises
 # before it starts anything.

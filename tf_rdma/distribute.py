@@ -44,6 +44,7 @@ How it fits together and why: docs/strategy.md.
 """
 
 import re
+import sys
 import threading
 import weakref
 
@@ -79,6 +80,13 @@ def _check_bucket_bytes(bucket_bytes):
             f"bucket_bytes must be a positive int (bytes), got "
             f"{bucket_bytes!r}")
     return bucket_bytes
+
+
+def _check_sparse_as_dense(value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"sparse_as_dense must be True or False, got "
+                          f"{value!r}")
+    return value
 
 
 def _check_timeout(timeout):
@@ -176,19 +184,48 @@ def _local_values(value):
 
 def _dense(t, shape=None):
     """``t`` as a dense tensor, with its static shape filled in if known."""
-    if isinstance(t, tf.IndexedSlices):
-        t = tf.convert_to_tensor(t)
-    else:
-        t = tf.convert_to_tensor(t)
+    t = tf.convert_to_tensor(t)
     if (not t.shape.is_fully_defined() and shape is not None
             and tf.TensorShape(shape).is_fully_defined()):
         t = tf.ensure_shape(t, shape)
     return t
 
 
+_logged = set()
+
+
+def _log_once(message):
+    """Prints ``tf_rdma: message`` to stderr, once per process."""
+    if message not in _logged:
+        _logged.add(message)
+        print(f"tf_rdma: {message}", file=sys.stderr, flush=True)
+
+
+def _is_sparse(value):
+    return any(isinstance(v, tf.IndexedSlices) for v in _local_values(value))
+
+
+def _local_slices(value):
+    """This worker's replicas' IndexedSlices as one (rows in replica order)."""
+    parts = [v if isinstance(v, tf.IndexedSlices)
+             else tf.IndexedSlices(tf.convert_to_tensor(v),
+                                   tf.range(tf.shape(v)[0]), tf.shape(v))
+             for v in _local_values(value)]
+    if len(parts) == 1:
+        return parts[0]
+    with tf.device(parts[0].values.device):
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([tf.cast(p.indices, parts[0].indices.dtype)
+                       for p in parts], 0),
+            parts[0].dense_shape)
+
+
 def _divide(t, n):
     if n == 1:
         return t
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(t.values, n), t.indices, t.dense_shape)
     if t.dtype.is_integer:
         return tf.truncatediv(t, tf.cast(n, t.dtype))
     return t / tf.cast(n, t.dtype)
@@ -212,6 +249,14 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
       These keep the collectives' default names (kind, dtype, shape and
       the call's ordinal in the graph).
 
+    ``tf.distribute.experimental.CommunicationOptions`` passed to a call
+    (``strategy.reduce(..., options=)``, ``ReplicaContext.all_reduce``,
+    Keras' ``optimizer.apply_gradients``) are honoured: ``timeout_seconds``
+    bounds that call's collectives instead of ``timeout``,
+    ``bytes_per_pack`` (> 0) is its largest gradient bucket instead of
+    ``bucket_bytes``, and an ``implementation`` other than ``AUTO`` (RING,
+    NCCL) is logged once: tf_rdma chooses its own algorithm (``algorithm``).
+
     Args:
       group: The ``tf_rdma.collectives.Group`` of the workers, or None for a
         single worker (then nothing crosses workers).
@@ -222,6 +267,11 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
       block_bytes: Pipelining block of the collectives; None for the cost
         model's choice.
       depth: Blocks in flight per channel; None for the default.
+      sparse_as_dense: False (the default, as MultiWorkerMirroredStrategy):
+        ``IndexedSlices`` gradients (embeddings) stay sparse: every worker's
+        rows and indices are all-gathered (``all_gather_v``) and returned as
+        one ``IndexedSlices``, rows in replica order. True: they are made
+        dense and reduced in the buckets with the dense gradients.
 
     Raises:
       ConfigError: An argument is invalid (the message names it).
@@ -229,8 +279,9 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def __init__(self, group=None, algorithm="auto",
                  bucket_bytes=DEFAULT_BUCKET_BYTES, timeout=None,
-                 block_bytes=None, depth=None):
+                 block_bytes=None, depth=None, sparse_as_dense=False):
         super().__init__()
+        self._sparse_as_dense = _check_sparse_as_dense(sparse_as_dense)
         self._group = group
         self._algorithm = _check_algorithm(algorithm)
         self._bucket_bytes = _check_bucket_bytes(bucket_bytes)
@@ -272,10 +323,27 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     # -- helpers ---------------------------------------------------------------
 
-    def _kwargs(self):
+    def _kwargs(self, options=None):
+        timeout = self._timeout
+        if options is not None:
+            if options.timeout_seconds is not None:
+                timeout = _check_timeout(options.timeout_seconds)
+            implementation = getattr(options.implementation, "value",
+                                     options.implementation)
+            if str(implementation).upper() != "AUTO":
+                _log_once(
+                    f"CommunicationOptions(implementation={implementation}) "
+                    f"is not used: tf_rdma chooses its own collective "
+                    f"algorithm (RdmaStrategy algorithm={self._algorithm!r})")
         return dict(algorithm=self._algorithm, group=self._group,
                     block_bytes=self._block_bytes, depth=self._depth,
-                    timeout=self._timeout)
+                    timeout=timeout)
+
+    def _bucket_bytes_for(self, options):
+        pack = getattr(options, "bytes_per_pack", 0) if options else 0
+        if pack:
+            return _check_bucket_bytes(pack)
+        return self._bucket_bytes
 
     def _ordinal(self, kind):
         """The call's ordinal among calls of ``kind`` in the current graph.
@@ -293,15 +361,16 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             counts[kind] = n + 1
         return str(n)
 
-    def _plan(self, tensors, keys, ordinal):
+    def _plan(self, tensors, keys, ordinal, bucket_bytes):
         grads = [buckets_lib.Gradient(k, t.dtype.name, t.shape.as_list())
                  for k, t in zip(keys, tensors)]
-        signature = (ordinal, tuple((g.key, g.dtype, g.shape) for g in grads))
+        signature = (ordinal, bucket_bytes,
+                     tuple((g.key, g.dtype, g.shape) for g in grads))
         with self._lock:
             plan = self._plans.get(signature)
             if plan is None:
                 plan = buckets_lib.BucketPlan(
-                    grads, bucket_bytes=self._bucket_bytes,
+                    grads, bucket_bytes=bucket_bytes,
                     name=f"rdma.batch.{ordinal}")
                 self._plans[signature] = plan
         return plan
@@ -319,12 +388,15 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
     def reduce_implementation(self, reduce_op, per_replica_value, destinations,
                               options):
         """Reduces one value over every replica of every worker."""
-        del options
+        if _is_sparse(per_replica_value) and not self._sparse_as_dense:
+            (reduced,) = self._reduce_sparse(reduce_op, [per_replica_value],
+                                             options)
+            return self.broadcast_implementation(reduced, destinations)
         local, count = self._local_sum(per_replica_value)
         if self._group is not None and self._group.size > 1:
             with tf.device("/device:CPU:0"):
                 local = collectives.all_reduce(local, reduction="sum",
-                                               **self._kwargs())
+                                               **self._kwargs(options))
             count *= self._group.size
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             local = _divide(local, count)
@@ -333,9 +405,24 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
                                     options):
         """Reduces a list of values (a step's gradients) in static buckets."""
-        del options
         if not value_destination_pairs:
             return []
+        sparse = [i for i, (value, _) in enumerate(value_destination_pairs)
+                  if _is_sparse(value) and not self._sparse_as_dense]
+        if sparse:
+            # IndexedSlices are all-gathered, the rest go in buckets.
+            dense = [i for i in range(len(value_destination_pairs))
+                     if i not in sparse]
+            out = dict(zip(dense, self.batch_reduce_implementation(
+                reduce_op, [value_destination_pairs[i] for i in dense],
+                options)))
+            gathered = self._reduce_sparse(
+                reduce_op, [value_destination_pairs[i][0] for i in sparse],
+                options)
+            for i, reduced in zip(sparse, gathered):
+                out[i] = self.broadcast_implementation(
+                    reduced, value_destination_pairs[i][1])
+            return [out[i] for i in range(len(value_destination_pairs))]
         tensors, keys, count = [], [], 1
         for i, (value, dest) in enumerate(value_destination_pairs):
             shape = getattr(dest, "shape", None)
@@ -344,13 +431,15 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             label = getattr(dest, "name", None) or "grad"
             keys.append(f"{i}:{_NAME_UNSAFE.sub('_', str(label))}")
         if self._group is not None and self._group.size > 1:
-            plan = self._plan(tensors, keys, self._ordinal("batch"))
+            plan = self._plan(tensors, keys, self._ordinal("batch"),
+                              self._bucket_bytes_for(options))
             reduced = []
+            kwargs = self._kwargs(options)
             with tf.device("/device:CPU:0"):
                 for b, bucket in enumerate(plan.split(tensors)):
                     reduced.append(collectives.all_reduce(
                         bucket, reduction="sum",
-                        name=plan.collective_name(b), **self._kwargs()))
+                        name=plan.collective_name(b), **kwargs))
             tensors = plan.merge(reduced)
             count *= self._group.size
         if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -358,10 +447,38 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
         return [self.broadcast_implementation(t, dest)
                 for t, (_, dest) in zip(tensors, value_destination_pairs)]
 
+    def _reduce_sparse(self, reduce_op, values, options):
+        """All-gathers IndexedSlices values: what MWMS returns for them.
+
+        Every worker's rows and indices (its replicas' concatenated) are
+        concatenated in rank order, so the rows come in global replica
+        order, as MultiWorkerMirroredStrategy's all-gather of IndexedSlices
+        orders them (the optimizers' handling of duplicate indices then sees
+        the same input). MEAN divides the rows by the number of replicas.
+        """
+        ordinal = self._ordinal("sparse")
+        out = []
+        for i, value in enumerate(values):
+            local = _local_slices(value)
+            count = len(_local_values(value))
+            if self._group is not None and self._group.size > 1:
+                kwargs = self._kwargs(options)
+                name = f"rdma.sparse.{ordinal}.{i}"
+                with tf.device("/device:CPU:0"):
+                    rows = collectives.all_gather_v(
+                        local.values, name=name + ".values", **kwargs)
+                    indices = collectives.all_gather_v(
+                        local.indices, name=name + ".indices", **kwargs)
+                local = tf.IndexedSlices(rows, indices, local.dense_shape)
+                count *= self._group.size
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                local = _divide(local, count)
+            out.append(local)
+        return out
+
     def _gather_implementation(self, per_replica_value, destinations, axis,
                                options):
         """Concatenates every replica's value along ``axis``, in replica order."""
-        del options
         parts = [_dense(v) for v in _local_values(per_replica_value)]
         local = parts[0] if len(parts) == 1 else tf.concat(parts, axis)
         if self._group is not None and self._group.size > 1:
@@ -374,7 +491,7 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             perm = [axis] + [d for d in range(rank) if d != axis]
             moved = tf.transpose(local, perm) if axis else local
             with tf.device("/device:CPU:0"):
-                moved = collectives.all_gather(moved, **self._kwargs())
+                moved = collectives.all_gather(moved, **self._kwargs(options))
             inverse = [perm.index(d) for d in range(rank)]
             local = tf.transpose(moved, inverse) if axis else moved
         return self.broadcast_implementation(local, destinations)
@@ -431,6 +548,10 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
         short probes between the first two workers, rank 0's numbers used
         by all, well under a second) so that "auto" chooses for this
         machine; False uses the model's defaults.
+      sparse_as_dense: Make ``IndexedSlices`` gradients (embeddings) dense
+        and reduce them with the others, instead of all-gathering their rows
+        as MultiWorkerMirroredStrategy does (the default, False). Dense costs
+        a whole table per step; it can pay where a batch touches most rows.
 
     Raises:
       ConfigError: An argument or the cluster is invalid (the message names
@@ -442,10 +563,11 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, algorithm="auto", bucket_bytes=DEFAULT_BUCKET_BYTES,
                  cluster_resolver=None, devices=None, timeout=None,
                  block_bytes=None, depth=None, secret=None, transport=None,
-                 calibrate=True):
+                 calibrate=True, sparse_as_dense=False):
         _check_algorithm(algorithm)
         _check_bucket_bytes(bucket_bytes)
         _check_timeout(timeout)
+        _check_sparse_as_dense(sparse_as_dense)
         extended_class = _tf_private.rdma_extended_class()
         cluster, task, tasks = resolve_cluster(cluster_resolver)
         self._rdma_cluster = cluster
@@ -468,7 +590,8 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
         num_workers = 1 if group is None else group.size
         cross_device_ops = RdmaCrossDeviceOps(
             group=group, algorithm=algorithm, bucket_bytes=bucket_bytes,
-            timeout=timeout, block_bytes=block_bytes, depth=depth)
+            timeout=timeout, block_bytes=block_bytes, depth=depth,
+            sparse_as_dense=sparse_as_dense)
         extended = extended_class(
             self, devices=devices, cross_device_ops=cross_device_ops,
             num_workers=num_workers, rank=rank, is_chief=(rank == 0),

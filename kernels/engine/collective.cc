@@ -89,7 +89,8 @@ Status CollectiveSpec::Validate(const std::string& own_task) const {
 std::string CollectiveSpec::Hash() const {
   std::string text = std::string(KindName(kind)) + "|" +
                      AlgorithmName(algorithm) + "|" + reduction + "|" + dtype +
-                     "|" + std::to_string(root) + "|" + std::to_string(count) +
+                     "|" + std::to_string(root) + "|" +
+                     (count_in_hash ? std::to_string(count) : "any") +
                      "|" + std::to_string(element_bytes) + "|" +
                      std::to_string(block_bytes) + "|" + std::to_string(depth);
   for (const std::string& t : group) text += "|" + t;

@@ -45,6 +45,10 @@ struct CollectiveSpec {
   int rank = 0;
   int root = 0;
   uint64_t count = 0;          // elements per rank (allgather: per piece)
+  // false: the count may change from call to call (the channels are sized
+  // by the block, not the message); the ranks agree on it another way
+  // (TfRdmaAllGatherV exchanges it first).
+  bool count_in_hash = true;
   uint64_t element_bytes = 1;
   uint64_t block_bytes = 1 << 20;  // rounded down to whole elements
   int64_t depth = kDefaultChannelDepth;

@@ -407,5 +407,194 @@ class CollectiveOp : public AsyncOpKernel {
 REGISTER_KERNEL_BUILDER(Name("TfRdmaCollective").Device(tensorflow::DEVICE_CPU),
                         CollectiveOp);
 
+// TfRdmaAllGatherV: an allgather of tensors whose first dimension differs
+// from rank to rank (the rows of a sparse gradient: each worker's batch
+// touches its own rows of an embedding table).
+//
+// What: rank r holds rows_r rows of one row shape; every rank gets the
+// sum of rows_r rows, concatenated in rank order (tf.concat of every rank's
+// tensor), which is what MultiWorkerMirroredStrategy's all-gather of
+// IndexedSlices returns.
+// How: two allgathers on the engine (kernels/engine/collective.cc). First a
+// header per rank (rows, elements per row, dtype: three int64), so that
+// every rank learns the largest row count m, and a rank whose row shape or
+// dtype differs fails on every rank with both values instead of hanging or
+// mixing bytes. Then the rows, each rank's padded to m, as one allgather of
+// m rows per rank; the output keeps each rank's real rows.
+// Why padded: the algorithms cut a message into P equal pieces (ring, rhd)
+// or pass whole pieces down a chain or tree; padding reuses them as they
+// are. Their channels are sized by the block, not by the message, so m may
+// change from call to call without new memory (the payload's hash leaves the
+// count out; the header exchange is what makes the ranks agree on it).
+// Cost: one small header allgather per call (latency-bound, a few alpha),
+// and P*m rows moved instead of the sum of rows_r; workers with batches of
+// one size pad little.
+REGISTER_OP("TfRdmaAllGatherV")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr(
+        "T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, "
+        "uint16, uint32, uint64, complex64, complex128}")
+    .Attr("algorithm: {'lp', 'ring', 'tree', 'rhd'}")
+    .Attr("group: list(string)")
+    .Attr("rank: int >= 0")
+    .Attr("instance: string")
+    .Attr("block_bytes: int >= 1")
+    .Attr("depth: int >= 1 = 4")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::shape_inference::ShapeHandle in = c->input(0);
+      if (!c->RankKnown(in)) {
+        c->set_output(0, c->UnknownShape());
+        return absl::OkStatus();
+      }
+      if (c->Rank(in) == 0) {
+        return absl::InvalidArgumentError(
+            "allgatherv concatenates along axis 0; a scalar has none");
+      }
+      tensorflow::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Concatenates along axis 0 the tensors of every rank of `group`, in rank
+order; their first dimensions may differ, the rest and the dtype must agree
+(else every rank fails with both values). See TfRdmaCollective for the
+other attributes; the collective uses the instances `instance`#header and
+`instance`#rows.
+)doc");
+
+class AllGatherVOp : public AsyncOpKernel {
+ public:
+  explicit AllGatherVOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    std::string algorithm;
+    int64_t block_bytes = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("algorithm", &algorithm));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("group", &spec_.group));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &spec_.rank));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("instance", &spec_.instance));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("block_bytes", &block_bytes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("depth", &spec_.depth));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_ms", &spec_.timeout_ms));
+    OP_REQUIRES(ctx, spec_.rank < static_cast<int>(spec_.group.size()),
+                absl::InvalidArgumentError(
+                    "rank " + std::to_string(spec_.rank) +
+                    " is not in a group of " +
+                    std::to_string(spec_.group.size())));
+    ParseAlgorithm(algorithm, &spec_.algorithm);
+    spec_.kind = CollectiveKind::kAllGather;
+    spec_.dtype = tensorflow::DataTypeString(dtype_);
+    spec_.element_bytes = tensorflow::DataTypeSize(dtype_);
+    spec_.block_bytes = static_cast<uint64_t>(block_bytes);
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& in = ctx->input(0);
+    OP_REQUIRES_ASYNC(ctx, in.dims() >= 1,
+                      absl::InvalidArgumentError(
+                          "allgatherv concatenates along axis 0; a scalar "
+                          "has none"),
+                      done);
+    Tensor keep = in;
+    Engine::Get()->Schedule([this, ctx, done, keep]() {
+      ctx->SetStatus(ToTf(Gather(ctx, keep)));
+      done();
+    });
+  }
+
+ private:
+  static constexpr int kHeaderWords = 3;  // rows, elements per row, dtype
+
+  Status Gather(OpKernelContext* ctx, const Tensor& in) {
+    const int size = static_cast<int>(spec_.group.size());
+    const uint64_t eb = spec_.element_bytes;
+    int64_t row_elements = 1;
+    for (int d = 1; d < in.dims(); ++d) row_elements *= in.dim_size(d);
+    const int64_t rows = in.dim_size(0);
+
+    // 1. Every rank's header.
+    std::vector<int64_t> headers(kHeaderWords * size, 0);
+    int64_t* own = &headers[kHeaderWords * spec_.rank];
+    own[0] = rows;
+    own[1] = row_elements;
+    own[2] = static_cast<int64_t>(dtype_);
+    CollectiveSpec header = spec_;
+    header.instance += "#header";
+    header.dtype = "int64";
+    header.element_bytes = 8;
+    header.count = kHeaderWords;
+    header.block_bytes = 8 * kHeaderWords * static_cast<uint64_t>(size);
+    auto* words = reinterpret_cast<uint8_t*>(headers.data());
+    TF_RDMA_RETURN_IF_ERROR(RunCollective(header, words, words, NoReduce()));
+    int64_t most = 0;
+    for (int r = 0; r < size; ++r) {
+      const int64_t* h = &headers[kHeaderWords * r];
+      if (h[1] != row_elements || h[2] != own[2] || h[0] < 0) {
+        return InvalidArgument(
+            "allgatherv '" + spec_.instance + "': rank " + std::to_string(r) +
+            " (" + spec_.group[r] + ") gathers " + std::to_string(h[0]) +
+            " rows of " + std::to_string(h[1]) + " elements of " +
+            tensorflow::DataTypeString(static_cast<DataType>(h[2])) +
+            ", rank " + std::to_string(spec_.rank) + " (" +
+            spec_.group[spec_.rank] + ") " + std::to_string(rows) +
+            " rows of " + std::to_string(row_elements) + " elements of " +
+            spec_.dtype +
+            ": every rank's rows must have the same shape and dtype");
+      }
+      most = std::max(most, h[0]);
+    }
+
+    // 2. The rows, padded to the most rows of any rank.
+    const uint64_t piece = static_cast<uint64_t>(most * row_elements);
+    Tensor padded;
+    TF_RDMA_RETURN_IF_ERROR(Allocated(ctx->allocate_temp(
+        dtype_, TensorShape({static_cast<int64_t>(piece) * size}), &padded)));
+    auto* base = static_cast<uint8_t*>(const_cast<void*>(padded.data()));
+    std::memcpy(base + spec_.rank * piece * eb, in.data(), in.TotalBytes());
+    std::memset(base + spec_.rank * piece * eb + in.TotalBytes(), 0,
+                piece * eb - in.TotalBytes());
+    CollectiveSpec payload = spec_;
+    payload.instance += "#rows";
+    payload.count = piece;
+    payload.count_in_hash = false;
+    if (piece > 0) {
+      TF_RDMA_RETURN_IF_ERROR(RunCollective(payload, base, base, NoReduce()));
+    }
+
+    // 3. Each rank's real rows, in rank order.
+    int64_t total = 0;
+    for (int r = 0; r < size; ++r) total += headers[kHeaderWords * r];
+    TensorShape shape = in.shape();
+    shape.set_dim(0, total);
+    Tensor* out = nullptr;
+    TF_RDMA_RETURN_IF_ERROR(Allocated(ctx->allocate_output(0, shape, &out)));
+    auto* dst = static_cast<uint8_t*>(const_cast<void*>(out->data()));
+    for (int r = 0; r < size; ++r) {
+      uint64_t bytes = headers[kHeaderWords * r] * row_elements * eb;
+      std::memcpy(dst, base + r * piece * eb, bytes);
+      dst += bytes;
+    }
+    return Status::Ok();
+  }
+
+  static Status Allocated(const absl::Status& s) {
+    return s.ok() ? Status::Ok()
+                  : Internal("cannot allocate: " + std::string(s.message()));
+  }
+
+  static ReduceFn NoReduce() {
+    return [](void*, const void*, const void*, uint64_t) {};
+  }
+
+  DataType dtype_;
+  CollectiveSpec spec_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfRdmaAllGatherV").Device(tensorflow::DEVICE_CPU),
+                        AllGatherVOp);
+
 }  // namespace
 }  // namespace tf_rdma

@@ -47,8 +47,8 @@ from tf_rdma import _loader, cluster as cluster_lib, ops
 from tf_rdma.errors import CollectiveError, EndpointError
 
 __all__ = ["KINDS", "ALGORITHMS", "REDUCTIONS", "Group", "default_group",
-           "all_reduce", "broadcast", "reduce", "all_gather", "calibrate",
-           "model_params"]
+           "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_v",
+           "calibrate", "model_params"]
 
 KINDS = ("allreduce", "broadcast", "reduce", "allgather")
 ALGORITHMS = ("lp", "ring", "tree", "rhd")
@@ -264,8 +264,9 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
     if reduction in ("min", "max") and dtype.is_complex:
         raise CollectiveError(f"reduction {reduction!r} needs ordered values; "
                               f"{dtype.name} has no order")
-    if kind == "allgather" and len(tensors) != 1:
-        raise CollectiveError("all_gather takes one tensor")
+    gather = kind in ("allgather", "allgatherv")
+    if gather and len(tensors) != 1:
+        raise CollectiveError(f"{kind} takes one tensor")
     group = group or default_group()
     if not isinstance(group, Group):
         raise CollectiveError(f"group must be a tf_rdma.collectives.Group, "
@@ -274,14 +275,23 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         raise CollectiveError(f"root {root!r} is not a rank of the group "
                               f"(0 to {group.size - 1})")
     for t in tensors:
-        if not t.shape.is_fully_defined():
+        known = t.shape[1:] if kind == "allgatherv" else t.shape
+        if t.shape.rank is None or not known.is_fully_defined():
             raise CollectiveError(
                 f"{kind} of a tensor of shape {t.shape}: collectives need "
-                f"shapes known when the function is traced")
-    if kind == "allgather" and tensors[0].shape.rank == 0:
-        raise CollectiveError("all_gather concatenates along axis 0; a scalar "
-                              "has none")
-    nbytes = sum(t.shape.num_elements() for t in tensors) * dtype.size
+                f"shapes known when the function is traced"
+                + (" (all but the first dimension)" if kind == "allgatherv"
+                   else ""))
+    if gather and tensors[0].shape.rank == 0:
+        raise CollectiveError(f"{kind} concatenates along axis 0; a scalar "
+                              f"has none")
+    if kind == "allgatherv":
+        # The rows vary by call: the algorithm and block are chosen for a
+        # nominal count (the first dimension if known, else 256 rows).
+        rows = tensors[0].shape[0] if tensors[0].shape[0] is not None else 256
+        nbytes = max(1, rows) * tensors[0].shape[1:].num_elements() * dtype.size
+    else:
+        nbytes = sum(t.shape.num_elements() for t in tensors) * dtype.size
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise CollectiveError(f"algorithm {algorithm!r} is not one of auto, "
                               f"{', '.join(ALGORITHMS)}")
@@ -289,11 +299,12 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         from tf_rdma.collectives import cost  # pylint: disable=g-import-not-at-top
 
         if algorithm == "auto":
-            algorithm, chosen = cost.choose(kind, nbytes, group.size,
-                                            model_params())
+            algorithm, chosen = cost.choose(
+                "allgather" if gather else kind, nbytes, group.size,
+                model_params())
         else:
             # (as choose() does: an allgather moves P pieces down a chain)
-            whole = nbytes * (group.size if kind == "allgather" else 1)
+            whole = nbytes * (group.size if gather else 1)
             chosen = cost.block_size(whole, group.size, model_params())
         if block_bytes is None:
             block_bytes = chosen
@@ -307,6 +318,11 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         shapes = ",".join("x".join(str(d) for d in t.shape) for t in tensors)
         name = _default_name(f"{kind}:{dtype.name}:[{shapes}]:{algorithm}:"
                              f"{reduction}:{root}:{'|'.join(group.tasks)}")
+    if kind == "allgatherv":
+        return _loader.load().ops.tf_rdma_all_gather_v(
+            input=tensors[0], algorithm=algorithm, group=list(group.tasks),
+            rank=group.rank, instance=name, block_bytes=int(block_bytes),
+            depth=depth, timeout_ms=ops.timeout_to_ms(timeout, CollectiveError))
     outputs = _loader.load().ops.tf_rdma_collective(
         inputs=tensors, kind=kind, reduction=reduction, algorithm=algorithm,
         group=list(group.tasks), rank=group.rank, root=root, instance=name,
@@ -369,5 +385,23 @@ def all_gather(tensor, algorithm="auto", group=None, name=None,
     Args: as :func:`all_reduce`, for one tensor.
     """
     return _collective("allgather", tensor, algorithm=algorithm, group=group,
+                       name=name, block_bytes=block_bytes, depth=depth,
+                       timeout=timeout)
+
+
+def all_gather_v(tensor, algorithm="auto", group=None, name=None,
+                 block_bytes=None, depth=None, timeout=None):
+    """Concatenates every rank's tensor along axis 0, in rank order.
+
+    The first dimension may differ from rank to rank (and from call to call):
+    the rows of a sparse gradient, say. The other dimensions and the dtype
+    must be the same everywhere; a rank that differs fails every rank with
+    both values. Costs one small header exchange more than
+    :func:`all_gather`, and moves every rank's rows padded to the largest
+    count (kernels/ops/collective_ops.cc, TfRdmaAllGatherV).
+
+    Args: as :func:`all_reduce`, for one tensor.
+    """
+    return _collective("allgatherv", tensor, algorithm=algorithm, group=group,
                        name=name, block_bytes=block_bytes, depth=depth,
                        timeout=timeout)
