@@ -434,6 +434,77 @@ def test_communication_options_are_honoured(tmp_path):
     assert err.count("CommunicationOptions(implementation=RING) is not used") == 1
 
 
+# Two replicas per worker (two logical CPU devices, standing in for GPUs):
+# the local replicas are summed before the cross-worker collective, replica
+# ids run worker-major, sparse rows come in global replica order, and Keras
+# fit trains what one process trains with the global batch.
+LOCAL_REPLICAS = COMMON + """
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+if MODE == "single":
+    strategy = tf.distribute.get_strategy()
+else:
+    import tf_rdma.distribute
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="worker", task_id=index)
+    strategy = tf_rdma.distribute.RdmaStrategy(
+        cluster_resolver=resolver, devices=["/cpu:0", "/cpu:1"])
+out = {"replicas": strategy.num_replicas_in_sync}
+if MODE != "single":
+    @tf.function
+    def reduce_ids():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            rid = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+            dense = ctx.all_reduce("SUM", rid + 1.0)
+            mean = ctx.all_reduce("MEAN", rid + 1.0)
+            rows = tf.IndexedSlices(tf.fill([1, 2], rid),
+                                    tf.reshape(tf.cast(rid, tf.int64) * 10, [1]),
+                                    tf.constant([40, 2], tf.int64))
+            sparse = ctx.all_reduce("SUM", rows)
+            return dense, mean, sparse.values[:, 0], sparse.indices
+        return strategy.run(fn)
+    dense, mean, values, indices = reduce_ids()
+    local = strategy.experimental_local_results
+    out["sum"] = [float(v) for v in local(dense)]
+    out["mean"] = [float(v) for v in local(mean)]
+    out["sparse_values"] = [v.numpy().tolist() for v in local(values)]
+    out["sparse_indices"] = [v.numpy().tolist() for v in local(indices)]
+keras.utils.set_random_seed(3)
+with strategy.scope():
+    model = make_model()
+    compile_model(model)
+model.fit(x_train[:256], y_train[:256], batch_size=GB, epochs=1,
+          shuffle=False, verbose=0)
+out["weights"] = [w.numpy().tolist() for w in model.trainable_weights]
+result(out)
+"""
+
+
+def test_two_replicas_per_worker_sum_locally_first():
+    rdma = make_cluster(2)
+    procs = {f"rdma:{i}": spawn_task(f"worker:{i}", LOCAL_REPLICAS, rdma,
+                                     {"MODE": "rdma"}) for i in range(2)}
+    procs["single"] = spawn_task("worker:0", LOCAL_REPLICAS, make_cluster(1),
+                                 {"MODE": "single"})
+    out = collect(procs, timeout=200)
+    bad = [r for r in out.values() if r.returncode != 0]
+    if bad:
+        pytest.fail("task failed\n" + "\n".join(r.describe() for r in bad))
+    single = out["single"].result
+    for i in range(2):
+        r = out[f"rdma:{i}"].result
+        assert r["replicas"] == 4
+        assert r["sum"] == [10.0, 10.0] and r["mean"] == [2.5, 2.5]
+        # Every replica gets the rows of replicas 0, 1 (worker 0), 2, 3.
+        assert r["sparse_values"] == [[0.0, 1.0, 2.0, 3.0]] * 2
+        assert r["sparse_indices"] == [[0, 10, 20, 30]] * 2
+        np.testing.assert_allclose(_flat(r["weights"]),
+                                   _flat(single["weights"]), rtol=RTOL,
+                                   atol=ATOL)
+
+
 # ---------------------------------------------------------------------------
 # In this process: the cluster a strategy sees, and the errors it raises
 # before it starts anything.

@@ -598,6 +598,14 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
             broadcast_initial_value=cross_device_ops.broadcast_initial_value)
         # MirroredStrategy.__init__ would build a plain MirroredExtended.
         super(tf.distribute.MirroredStrategy, self).__init__(extended)
+        gpus = [d for d in extended.worker_devices if "GPU" in d.upper()]
+        if gpus:
+            _log_once(
+                f"RdmaStrategy: {len(gpus)} replica(s) on GPUs "
+                f"({', '.join(gpus)}): GPU gradients are summed over this "
+                f"worker's replicas on the first GPU, then staged through "
+                f"host memory, where the tf_rdma collectives run across "
+                f"workers")
 
     @property
     def task(self):
