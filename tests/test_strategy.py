@@ -505,6 +505,90 @@ def test_two_replicas_per_worker_sum_locally_first():
                                    atol=ATOL)
 
 
+# Fault tolerance with Keras' own callbacks: BackupAndRestore (one backup
+# directory per worker: Keras 3 writes it from every worker) and
+# ModelCheckpoint. Run "killed": worker 1 SIGKILLs itself in the middle of
+# epoch 2; worker 0's next collective fails and it exits. Run "resumed":
+# both restart and BackupAndRestore resumes from the end of epoch 1. Run
+# "whole": the same training uninterrupted. Plain SGD: the backup holds the
+# model's weights, and SGD has no other state.
+FAULT = COMMON + """
+import signal
+import tf_rdma.distribute
+RUN, DIR = os.environ["RUN"], os.environ["FT_DIR"]
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(cluster), task_type="worker", task_id=index)
+strategy = tf_rdma.distribute.RdmaStrategy(cluster_resolver=resolver,
+                                           bucket_bytes=4096)
+assert strategy.num_workers == 2
+keras.utils.set_random_seed(5)
+with strategy.scope():
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+
+class KillMidEpoch(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+    def on_train_batch_end(self, batch, logs=None):
+        if RUN == "killed" and index == 1 and self.epoch == 1 and batch == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+run_dir = "whole" if RUN == "whole" else "restarted"
+callbacks = [
+    keras.callbacks.BackupAndRestore(
+        os.path.join(DIR, run_dir, f"backup{index}")),
+    keras.callbacks.ModelCheckpoint(
+        os.path.join(DIR, run_dir, f"ckpt{index}", "e{epoch}.weights.h5"),
+        save_weights_only=True),
+    KillMidEpoch()]
+try:
+    hist = model.fit(x_train, y_train, batch_size=GB, epochs=3, shuffle=False,
+                     verbose=0, callbacks=callbacks)
+except Exception as e:
+    result({"error": type(e).__name__, "message": str(e)[:2000]})
+    sys.exit(0)
+result({"weights": [w.numpy().tolist() for w in model.trainable_weights],
+        "epochs_run": len(hist.history["loss"]),
+        "checkpoints": sorted(os.listdir(
+            os.path.join(DIR, run_dir, f"ckpt{index}")))})
+"""
+
+
+def test_backup_and_restore_resumes_after_a_killed_worker(tmp_path):
+    env = {"MODE": "rdma", "FT_DIR": str(tmp_path), "TF_RDMA_TIMEOUT": "10"}
+    procs = {}
+    for run in ("killed", "whole"):
+        cluster = make_cluster(2)
+        for i in range(2):
+            procs[f"{run}:{i}"] = spawn_task(f"worker:{i}", FAULT, cluster,
+                                             dict(env, RUN=run))
+    out = collect(procs, timeout=200)
+    assert out["killed:1"].returncode == -signal.SIGKILL, \
+        out["killed:1"].describe()
+    survivor = out["killed:0"].result
+    assert survivor and survivor.get("error"), out["killed:0"].describe()
+    assert "/job:worker/task:1" in survivor["message"], survivor
+    whole = out["whole:0"].result
+    assert whole["epochs_run"] == 3, out["whole:0"].describe()
+
+    cluster = make_cluster(2)
+    resumed = collect({i: spawn_task(f"worker:{i}", FAULT, cluster,
+                                     dict(env, RUN="resumed"))
+                       for i in range(2)}, timeout=200)
+    for i in range(2):
+        r = resumed[i].result
+        assert r and "weights" in r, resumed[i].describe()
+        # Epochs 2 and 3 only: epoch 1 came from the backup.
+        assert r["epochs_run"] == 2, r
+        assert r["checkpoints"] == ["e1.weights.h5", "e2.weights.h5",
+                                    "e3.weights.h5"]
+        np.testing.assert_allclose(_flat(r["weights"]),
+                                   _flat(whole["weights"]), rtol=RTOL,
+                                   atol=ATOL)
+
+
 # ---------------------------------------------------------------------------
 # In this process: the cluster a strategy sees, and the errors it raises
 # before it starts anything.
