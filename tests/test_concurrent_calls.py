@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(240)
 
 # Edges: x (static, worker 0 -> 1), d (dynamic: its length depends on k,
 # worker 0 -> 1) and s (static, back 1 -> 0), so that each call holds copies
-# of three slots in two regions. With FAIL_AT, the call with that k fails on
+# of several slots in two regions. With COLLECTIVE, an allreduce between the
+# two workers too (a function with a collective runs one call at a time:
+# decorator.py). With FAIL_AT, the call with that k fails on
 # worker 1 after it received x (its recv of s on worker 0 then times out),
 # while the calls beside it go on.
 CLIENT = r"""
@@ -28,31 +30,45 @@ import json, os, sys, threading
 import numpy as np
 import tensorflow as tf
 import tf_rdma
+from tf_rdma import collectives as C
 
 cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
 tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
 W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
 THREADS, CALLS = int(os.environ["THREADS"]), int(os.environ["CALLS"])
 FAIL_AT = int(os.environ.get("FAIL_AT", "-1"))
+COLLECTIVE = os.environ.get("COLLECTIVE") == "1"
 
 def body(k):
     with tf.device(W0):
         kf = tf.cast(k, tf.float32)
         x = tf.fill([1024], kf) + tf.range(1024, dtype=tf.float32)
         d = tf.range(tf.math.floormod(k, 7) * 3 + 1) * k
+        c0 = tf.fill([16], kf)
+    with tf.device(W1):
+        c1 = tf.fill([16], kf * 2.0)
+    if COLLECTIVE:
+        with tf.device(W0):
+            c0 = C.all_reduce(c0, group=C.Group([W0, W1], rank=0),
+                              name="calls/sum", algorithm="ring")
+        with tf.device(W1):
+            c1 = C.all_reduce(c1, group=C.Group([W0, W1], rank=1),
+                              name="calls/sum", algorithm="ring")
     with tf.device(W1):
         tf.debugging.assert_none_equal(x[0], tf.cast(FAIL_AT, tf.float32),
                                        message="planned failure")
         s = tf.stack([tf.reduce_sum(x), tf.cast(tf.reduce_sum(d), tf.float32),
-                      tf.cast(tf.size(d), tf.float32)])
+                      tf.cast(tf.size(d), tf.float32), c1[0]])
     with tf.device(W0):
-        return s * 2.0 + kf
+        return s * 2.0 + kf + c0[-1]
 
 plain = tf.function(body)
 rdma = tf_rdma.rewrite(tf.function(body), depth=2)
 want = {k: plain(tf.constant(k)).numpy() for k in range(THREADS * CALLS)
         if k != FAIL_AT}
 rdma.get_concrete_function(tf.constant(0))
+if os.environ.get("UNSERIALIZED") == "1":  # to see what serializing prevents
+    rdma._has_collectives = False
 assert rdma.plan.transfers, "nothing was planned"
 print("PLAN " + json.dumps(sorted((t.key, t.dynamic) for t in rdma.plan.transfers)),
       flush=True)
@@ -100,12 +116,24 @@ def run_client(transport, threads, calls, extra=None, timeout=200):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_concurrent_calls_get_their_own_tensors(transport):
     plan, r, _ = run_client(transport, threads=4, calls=40)
-    # A static and a dynamic edge forward, a static edge back.
+    # Static and dynamic edges forward, a static edge back.
     assert [dynamic for _, dynamic in plan].count(True) == 1
-    assert len(plan) == 3
+    assert {key.rsplit(">", 1)[1] for key, _ in plan} == {"worker:0",
+                                                          "worker:1"}
     assert r["errors"] == {}
     assert r["wrong"] == []
     assert r["ok"] == 160
+    assert r["after"]
+
+
+def test_a_function_with_a_collective_runs_one_call_at_a_time():
+    # Overlapping calls would run the collective's instance in different
+    # orders on the two ranks (tried: without the serialization, calls fail
+    # or get another call's sum).
+    _, r, _ = run_client("shm", threads=4, calls=10, extra={"COLLECTIVE": "1"})
+    assert r["errors"] == {}
+    assert r["wrong"] == []
+    assert r["ok"] == 40
     assert r["after"]
 
 

@@ -17,7 +17,14 @@ fails with an error that says so instead of silently ordering the ops.
 
 from tf_rdma.errors import LibraryError
 
-ORDER_INSENSITIVE_OPS = frozenset(("TfRdmaSend", "TfRdmaRecv"))
+#: The point-to-point ops, whose edges the rewrite plans.
+TRANSFER_OPS = frozenset(("TfRdmaSend", "TfRdmaRecv"))
+#: Every tf_rdma op that meets another task. A collective placed on two
+#: tasks of one client-driven function would otherwise wait, in program
+#: order, for the other rank's op, which waits for it; collectives that may
+#: run together have different instances (tf_rdma.collectives, "Naming").
+ORDER_INSENSITIVE_OPS = TRANSFER_OPS | frozenset(
+    ("TfRdmaCollective", "TfRdmaAllGatherV"))
 
 
 def register_order_insensitive_ops():
@@ -94,8 +101,7 @@ def _move_return_identities(acd):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-import-not-at-top
     from tf_rdma.graph_passes.plan import DTYPE_SIZES  # pylint: disable=g-import-not-at-top
-    if not any(op.type in ORDER_INSENSITIVE_OPS
-               for op in acd.ops_which_must_run):
+    if not any(op.type in TRANSFER_OPS for op in acd.ops_which_must_run):
         return
     if isinstance(acd._graph,  # pylint: disable=protected-access
                   control_flow_v2_func_graphs.ControlFlowFuncGraph):

@@ -23,7 +23,10 @@ refused with both hashes in the error).
 Calls may come from several threads at once: every transfer carries the id
 TensorFlow gives the call (its step id), so a call only ever receives its own
 tensors, and at most ``depth`` calls of one function run at a time (more
-wait here), so that calls never wait for each other's slot copies.
+wait here), so that calls never wait for each other's slot copies. A
+function with tf_rdma collectives in it runs one call at a time: a
+collective's ranks must run the calls of one instance in the same order, and
+only this process sees the order of its calls.
 """
 
 import functools
@@ -94,6 +97,10 @@ class RewrittenFunction:
         # reported by the plan, with the value, at the first trace.
         self._in_flight = threading.BoundedSemaphore(
             depth if isinstance(depth, int) and depth >= 1 else 1)
+        # Calls of a function with collectives, one at a time; None until
+        # the first trace says whether it has any (calls wait until then).
+        self._has_collectives = None
+        self._one_call = threading.Lock()
         self._timeout_ms = timeout_to_ms(timeout)
         self._endpoint_tasks = endpoint_tasks
         python_fn = getattr(fn, "python_function", fn)
@@ -112,7 +119,10 @@ class RewrittenFunction:
 
     def __call__(self, *args, **kwargs):
         with self._in_flight:
-            return self._wrapper(*args, **kwargs)
+            if self._has_collectives is False:
+                return self._wrapper(*args, **kwargs)
+            with self._one_call:
+                return self._wrapper(*args, **kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten concrete function for these arguments (traces it)."""
@@ -198,6 +208,16 @@ class RewrittenFunction:
                 value = outer.capture(value)
             input_map[placeholder.name] = value
         graph_def = inner.as_graph_def(add_shapes=True)
+        collective = {"TfRdmaCollective", "TfRdmaAllGatherV"}
+        if any(n.op in collective for n in graph_def.node) or any(
+                n.op in collective for f in graph_def.library.function
+                for n in f.node_def):
+            self._has_collectives = True
+        elif self._has_collectives is None:
+            # A later trace of other arguments that adds collectives runs
+            # its first calls unserialized; the code of one function rarely
+            # differs so (docs/rewrite.md).
+            self._has_collectives = False
         analysis = passes.analyze(
             graph_def, caller_device=caller_device, arg_devices=arg_devices,
             endpoint_tasks=self._endpoint_tasks, depth=self._depth,
