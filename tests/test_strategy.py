@@ -235,7 +235,7 @@ def step(xb, yb):
 
 step(xs, ys)
 if index == 1:
-    time.sleep(1.0)  # worker:0 is waiting in step 2's first bucket by now
+    time.sleep(1.0)  # worker:0 is waiting in step 2's buckets by now
     os.kill(os.getpid(), signal.SIGKILL)
 t0 = time.monotonic()
 try:
@@ -374,7 +374,9 @@ def test_killed_worker_fails_fast():
     assert err["error"] in ("UnavailableError", "DeadlineExceededError",
                             "InternalError"), err
     assert err["elapsed_s"] < 5 + 5, err
-    for part in ("allreduce", ".bucket0", "/job:worker/task:1"):
+    # Both buckets wait for the dead peer (collectives are not run in
+    # program order: tf_rdma/_tf_private.py); either may report first.
+    for part in ("allreduce", ".bucket", "/job:worker/task:1"):
         assert part in err["message"], (part, err)
 
 

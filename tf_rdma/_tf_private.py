@@ -185,6 +185,7 @@ def rdma_extended_class():
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     try:
         # pylint: disable=g-import-not-at-top
+        from tensorflow.python.distribute import collective_util
         from tensorflow.python.distribute import cross_device_ops as cdo
         from tensorflow.python.distribute import distribute_lib
         from tensorflow.python.distribute import input_util
@@ -224,6 +225,10 @@ def rdma_extended_class():
             self._rdma_init_count = 0
             super().__init__(container_strategy, devices=devices,
                              cross_device_ops=cross_device_ops)
+            # MirroredExtended merges its own default (NCCL, or RING on
+            # CPUs) into every call's CommunicationOptions; without it the
+            # cross-device ops see only what the caller asked for.
+            self._communication_options = collective_util.Options()
 
         # The reduction always goes through merge_call and the tf_rdma
         # CrossDeviceOps: never XLA's path, never ReductionToOneDevice (which
@@ -379,6 +384,51 @@ def rdma_extended_class():
 # object and in Keras' TensorFlow trainer, so that the baseline trains
 # exactly as `fit` intends. It is used for the comparison only; RdmaStrategy
 # needs neither patch.
+
+def patch_keras_predict_for_rdma():
+    """Makes Keras 3 ``predict`` gather every worker's rows under RdmaStrategy.
+
+    Keras concatenates the replicas' predictions across workers only for
+    MultiWorkerMirroredStrategy (``trainer._collective_all_reduce_multi_worker``
+    checks the class); under any other strategy it returns this worker's
+    replicas' rows, so ``predict`` under RdmaStrategy would silently return a
+    share of the rows. This wraps ``trainer.reduce_per_replica`` so that its
+    ``"concat"`` reduction (predict's, and only predict's) uses Keras' own
+    multi-worker concatenation (``strategy.gather``, which RdmaStrategy does
+    with ``all_gather_v``, so the last, smaller batch may split unevenly)
+    whenever the strategy spans several RdmaStrategy workers. Idempotent.
+
+    Raises:
+      LibraryError: This Keras lacks what the patch wraps.
+    """
+    try:
+        from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+        raise LibraryError(
+            f"RdmaStrategy's predict needs keras.src.backend.tensorflow."
+            f"trainer ({e})") from e
+    original = getattr(trainer, "reduce_per_replica", None)
+    concat = getattr(trainer, "_multi_worker_concat", None)
+    if original is None or concat is None:
+        raise LibraryError(
+            "RdmaStrategy's predict needs keras.src.backend.tensorflow."
+            "trainer.reduce_per_replica and _multi_worker_concat, which this "
+            "Keras does not have")
+    if getattr(original, "_tf_rdma_wrapped", False):
+        return
+
+    def reduce_per_replica(values, strategy, reduction):
+        workers = getattr(strategy.extended, "_rdma_num_workers", 1)
+        if reduction == "concat" and workers > 1:
+            import tensorflow as tf  # pylint: disable=g-import-not-at-top
+            # A PerReplica, or a plain tensor with one replica per worker.
+            return tf.nest.map_structure(lambda v: concat(v, strategy),
+                                         values)
+        return original(values, strategy, reduction)
+
+    reduce_per_replica._tf_rdma_wrapped = True
+    trainer.reduce_per_replica = reduce_per_replica
+
 
 def patch_mwms_for_keras_fit(strategy):
     """Lets Keras 3 ``fit`` run under a multi-worker MWMS ``strategy``.

@@ -491,7 +491,10 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             perm = [axis] + [d for d in range(rank) if d != axis]
             moved = tf.transpose(local, perm) if axis else local
             with tf.device("/device:CPU:0"):
-                moved = collectives.all_gather(moved, **self._kwargs(options))
+                # all_gather_v: the workers' first dimensions may differ (a
+                # last, smaller batch that splits unevenly).
+                moved = collectives.all_gather_v(moved,
+                                                 **self._kwargs(options))
             inverse = [perm.index(d) for d in range(rank)]
             local = tf.transpose(moved, inverse) if axis else moved
         return self.broadcast_implementation(local, destinations)
@@ -598,6 +601,8 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
             broadcast_initial_value=cross_device_ops.broadcast_initial_value)
         # MirroredStrategy.__init__ would build a plain MirroredExtended.
         super(tf.distribute.MirroredStrategy, self).__init__(extended)
+        if num_workers > 1:
+            _tf_private.patch_keras_predict_for_rdma()
         gpus = [d for d in extended.worker_devices if "GPU" in d.upper()]
         if gpus:
             _log_once(
