@@ -251,32 +251,40 @@ int64_t AlignedElements(int64_t elements, int64_t element_bytes) {
   return (elements + unit - 1) / unit * unit;
 }
 
+// Reads the attributes TfRdmaCollective and TfRdmaAllGatherV share.
+absl::Status ReadCommonAttrs(OpKernelConstruction* ctx, DataType* dtype,
+                             CollectiveSpec* spec) {
+  std::string algorithm;
+  int64_t block_bytes = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("T", dtype));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("algorithm", &algorithm));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("group", &spec->group));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("rank", &spec->rank));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("instance", &spec->instance));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("block_bytes", &block_bytes));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("depth", &spec->depth));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("timeout_ms", &spec->timeout_ms));
+  ParseAlgorithm(algorithm, &spec->algorithm);
+  spec->dtype = tensorflow::DataTypeString(*dtype);
+  spec->element_bytes = tensorflow::DataTypeSize(*dtype);
+  spec->block_bytes = static_cast<uint64_t>(block_bytes);
+  if (spec->rank >= static_cast<int>(spec->group.size())) {
+    return absl::InvalidArgumentError(
+        "rank " + std::to_string(spec->rank) + " is not in a group of " +
+        std::to_string(spec->group.size()));
+  }
+  return absl::OkStatus();
+}
+
 class CollectiveOp : public AsyncOpKernel {
  public:
   explicit CollectiveOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    std::string kind, algorithm;
-    int64_t block_bytes = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
+    std::string kind;
+    OP_REQUIRES_OK(ctx, ReadCommonAttrs(ctx, &dtype_, &spec_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kind", &kind));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("algorithm", &algorithm));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reduction", &spec_.reduction));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("group", &spec_.group));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &spec_.rank));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("root", &spec_.root));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("instance", &spec_.instance));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("block_bytes", &block_bytes));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("depth", &spec_.depth));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_ms", &spec_.timeout_ms));
     ParseKind(kind, &spec_.kind);
-    ParseAlgorithm(algorithm, &spec_.algorithm);
-    spec_.dtype = tensorflow::DataTypeString(dtype_);
-    spec_.element_bytes = tensorflow::DataTypeSize(dtype_);
-    spec_.block_bytes = static_cast<uint64_t>(block_bytes);
-    OP_REQUIRES(ctx, spec_.rank < static_cast<int>(spec_.group.size()),
-                absl::InvalidArgumentError(
-                    "rank " + std::to_string(spec_.rank) +
-                    " is not in a group of " +
-                    std::to_string(spec_.group.size())));
     OP_REQUIRES(ctx, spec_.root < static_cast<int>(spec_.group.size()),
                 absl::InvalidArgumentError(
                     "root " + std::to_string(spec_.root) +
@@ -469,26 +477,8 @@ other attributes; the collective uses the instances `instance`#header and
 class AllGatherVOp : public AsyncOpKernel {
  public:
   explicit AllGatherVOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    std::string algorithm;
-    int64_t block_bytes = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("algorithm", &algorithm));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("group", &spec_.group));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &spec_.rank));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("instance", &spec_.instance));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("block_bytes", &block_bytes));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("depth", &spec_.depth));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_ms", &spec_.timeout_ms));
-    OP_REQUIRES(ctx, spec_.rank < static_cast<int>(spec_.group.size()),
-                absl::InvalidArgumentError(
-                    "rank " + std::to_string(spec_.rank) +
-                    " is not in a group of " +
-                    std::to_string(spec_.group.size())));
-    ParseAlgorithm(algorithm, &spec_.algorithm);
+    OP_REQUIRES_OK(ctx, ReadCommonAttrs(ctx, &dtype_, &spec_));
     spec_.kind = CollectiveKind::kAllGather;
-    spec_.dtype = tensorflow::DataTypeString(dtype_);
-    spec_.element_bytes = tensorflow::DataTypeSize(dtype_);
-    spec_.block_bytes = static_cast<uint64_t>(block_bytes);
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
