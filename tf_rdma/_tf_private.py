@@ -15,7 +15,7 @@ Checked against TensorFlow 2.16–2.21; if the module changes shape, import
 fails with an error that says so instead of silently ordering the ops.
 """
 
-from tf_rdma.errors import LibraryError
+from tf_rdma.errors import ConfigError, LibraryError
 
 #: The point-to-point ops, whose edges the rewrite plans.
 TRANSFER_OPS = frozenset(("TfRdmaSend", "TfRdmaRecv"))
@@ -344,6 +344,19 @@ def rdma_extended_class():
         # Every worker starts from the chief's initial values.
         def _get_variable_creator_initial_value(self, replica_id, device,
                                                 primary_var, **kwargs):
+            # "<layer path>_gradient_accumulator", one per trainable variable
+            if "gradient_accumulator" in str(kwargs.get("name") or ""):
+                # Keras 3 creates these for gradient_accumulation_steps, and
+                # then applies the update inside a cond, where no
+                # MirroredStrategy can merge_call (MWMS fails the same way,
+                # with TensorFlow's RuntimeError about merge_call).
+                raise ConfigError(
+                    "optimizer.gradient_accumulation_steps is not supported "
+                    "under RdmaStrategy (nor under MultiWorkerMirroredStrategy "
+                    "with Keras 3.15: the update runs in a cond, where a "
+                    "cross-replica merge_call is not allowed); accumulate the "
+                    "gradients in a custom training loop, or use a larger "
+                    "global batch")
             if replica_id != 0 or self._rdma_num_workers == 1:
                 return super()._get_variable_creator_initial_value(
                     replica_id=replica_id, device=device,
