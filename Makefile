@@ -10,7 +10,7 @@ DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.tf_rdma-built
 SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: all install demo test bench bench-deps system-packages clean help
+.PHONY: all install demo test bench bench-deps system-packages clean help fuzz
 
 all: install
 
@@ -19,6 +19,7 @@ help:
 	@echo "make test     set up and run the test suite"
 	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
 	@echo "make install  set up .venv and build the op library"
+	@echo "make fuzz     fuzz the wire parsers and slot checks (libFuzzer with clang, installed if it can be; else a g++ driver); FUZZ_SECONDS=60"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 # iproute2 for the network-namespace tests, g++ for the op library,
@@ -101,3 +102,41 @@ bench: bench-deps
 
 clean:
 	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_build_info.json $(BUILD_STAMP)
+
+# Fuzzing (tests/fuzz/wire_fuzz.cc says what and why). With clang, a
+# libFuzzer target with ASan+UBSan runs for FUZZ_SECONDS over a corpus that
+# starts from tests/fuzz/seeds; without it, the same target linked to
+# tests/fuzz/standalone_main.cc (g++, ASan+UBSan) runs FUZZ_RUNS mutated
+# inputs. `make fuzz` tries to install clang once (FUZZ_INSTALL=0: don't);
+# tests/test_fuzz_targets.py runs a short `make fuzz FUZZ_INSTALL=0`.
+FUZZ_SECONDS ?= 60
+FUZZ_RUNS ?= 300000
+FUZZ_INSTALL ?= 1
+FUZZ_ENGINE := kernels/engine/engine.cc kernels/engine/wire.cc kernels/engine/region.cc \
+  kernels/engine/wait.cc kernels/engine/sha256.cc kernels/transport/plugin.cc \
+  kernels/transport/shm/pair.cc kernels/transport/tcp/pair.cc
+FUZZ_FLAGS := -std=c++17 -O1 -g -I. -fno-omit-frame-pointer -fno-sanitize-recover=all
+CLANG_TRIED := build/.clang-tried
+
+fuzz:
+	@if ! command -v clang++ >/dev/null 2>&1 && [ "$(FUZZ_INSTALL)" = 1 ] && [ ! -e $(CLANG_TRIED) ]; then \
+	  mkdir -p build && touch $(CLANG_TRIED); \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi; \
+	  echo "installing clang for libFuzzer (once; FUZZ_INSTALL=0 skips)"; \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang libclang-rt-dev \
+	    || echo "clang not installed: fuzzing with the g++ driver"; \
+	fi
+	@mkdir -p build/fuzz/corpus
+	@if command -v clang++ >/dev/null 2>&1 && echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long){return 0;}' \
+	      | clang++ -x c++ -fsanitize=fuzzer - -o build/fuzz/probe 2>/dev/null; then \
+	  echo "fuzz: libFuzzer (clang), $(FUZZ_SECONDS) s"; \
+	  clang++ $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined tests/fuzz/wire_fuzz.cc $(FUZZ_ENGINE) \
+	    -o build/fuzz/wire_fuzz -ldl -lpthread -lrt && \
+	  cp -n tests/fuzz/seeds/* build/fuzz/corpus/ && \
+	  build/fuzz/wire_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus; \
+	else \
+	  echo "fuzz: no libFuzzer here; g++ driver with ASan+UBSan, $(FUZZ_RUNS) inputs"; \
+	  g++ $(FUZZ_FLAGS) -fsanitize=address,undefined tests/fuzz/wire_fuzz.cc tests/fuzz/standalone_main.cc $(FUZZ_ENGINE) \
+	    -o build/fuzz/wire_fuzz_standalone -ldl -lpthread -lrt && \
+	  build/fuzz/wire_fuzz_standalone --runs=$(FUZZ_RUNS) tests/fuzz/seeds/*; \
+	fi

@@ -87,7 +87,7 @@ def make_cluster(n, job="worker"):
 def base_env(extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TF_RDMA_SECRET", "test-secret")
+    env.setdefault("TF_RDMA_SECRET", "test-secret-of-the-suite")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})

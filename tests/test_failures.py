@@ -145,9 +145,10 @@ def killed(request, tmp_path_factory):
 def test_killed_process_segments_are_collected_live_ones_kept(killed):
     _, out = killed
     r = out["worker:1"].result
-    # The killed process had regions, the survivor's collection removed
-    # them all, and left every segment of the running process in place.
-    assert r["dead_segments_before"], r
+    # The killed process's regions are gone: removed by the survivor when
+    # it saw the connection drop (shm peers; test_faults checks that on its
+    # own), or else by the explicit collection; every segment of the running
+    # process stays in place.
     assert r["dead_segments_after"] == [], r
     count, nbytes = r["collected"]
     assert count >= len(r["dead_segments_before"]) and nbytes >= 4096 * count
@@ -420,6 +421,15 @@ report["region_too_small"] = error_of(
         stride=slot.stride, depth=slot.depth,
         credit_index=slot.credit_index, shape=list(slot.shape),
         timeout_ms=2000))
+# Copies whose span wraps past 2**64 (64 x 2**58 bytes): checked
+# arithmetic refuses them (the unchecked sum used to wrap to a small end and
+# let recvs read from beyond the region).
+report["span_wraps"] = error_of(
+    lambda: tf_rdma.ops.raw_ops().tf_rdma_recv(
+        dtype=tf.float32, tensor_name="y", peer=slot.dst, region=slot.region,
+        plan_hash=plan.hash, region_bytes=4096,
+        credit_bytes=slot.credit_bytes, offset=0, stride=1 << 58, depth=64,
+        credit_index=0, shape=[4], timeout_ms=2000))
 report["unknown_peer"] = error_of(
     lambda: tf_rdma.ops.send(tf.zeros([4]), far, "far", timeout=2))
 result(report)
@@ -486,4 +496,8 @@ def test_unknown_peer_task(bad_input):
 def test_region_too_small(bad_input):
     error = bad_input["region_too_small"]
     _assert_names(error, "'x'", "region too small", "4096")
+    assert error["type"] == "InvalidArgumentError", error
+    error = bad_input["span_wraps"]
+    _assert_names(error, "'y'", "64 copies of 288230376151711744 bytes",
+                  "region too small")
     assert error["type"] == "InvalidArgumentError", error

@@ -1,9 +1,14 @@
 """Settings from the environment: defaults, accepted values, clear errors."""
 
+import os
+import re
+
 import pytest
 
 from tf_rdma import settings
 from tf_rdma.errors import ConfigError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_defaults():
@@ -14,14 +19,14 @@ def test_defaults():
 
 def test_values_from_environment_and_arguments():
     env = {"TF_RDMA_TRANSPORT": " TCP ", "TF_RDMA_TIMEOUT": "2.5",
-           "TF_RDMA_POLL_US": "0", "TF_RDMA_SECRET": "abc"}
+           "TF_RDMA_POLL_US": "0", "TF_RDMA_SECRET": "abc-0123456789-abc"}
     assert settings.transport(env=env) == "tcp"
     assert settings.timeout_seconds(env=env) == 2.5
     assert settings.poll_microseconds(env=env) == 0
-    assert settings.secret(env=env) == "abc"
+    assert settings.secret(env=env) == "abc-0123456789-abc"
     # An explicit argument wins over the environment.
     assert settings.timeout_seconds(7, env=env) == 7.0
-    assert settings.secret("xyz", env=env) == "xyz"
+    assert settings.secret("xyz-0123456789-xyz", env=env) == "xyz-0123456789-xyz"
 
 
 @pytest.mark.parametrize("function, variable, value", [
@@ -40,7 +45,7 @@ def test_bad_values_name_variable_and_value(function, variable, value):
     assert variable in str(info.value) and repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize("secret", ["", "has space"])
+@pytest.mark.parametrize("secret", ["", "has space", "x", "fifteen-chars15"])
 def test_bad_secrets(secret):
     with pytest.raises(ConfigError, match="TF_RDMA_SECRET"):
         settings.secret(env={"TF_RDMA_SECRET": secret})
@@ -88,3 +93,10 @@ def test_settings_table_lists_every_variable_the_code_reads():
              "TF_RDMA_VERBS_ENTRY", "TF_RDMA_VERBS_"}
     read = {name for name in read if not name.endswith("_H_")}
     assert read == {s.name for s in settings.SETTINGS}
+
+
+def test_min_secret_length_matches_the_engine():
+    header = open(os.path.join(REPO_ROOT, "kernels", "engine", "engine.h")).read()
+    m = re.search(r"kMinSecretBytes = (\d+);", header)
+    assert m and int(m.group(1)) == settings.MIN_SECRET_LENGTH
+    assert settings.secret("a" * settings.MIN_SECRET_LENGTH, env={}) == "a" * 16

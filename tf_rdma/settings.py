@@ -143,6 +143,11 @@ def markdown_table():
     return "\n".join(lines) + "\n"
 
 
+# The engine's kMinSecretBytes (kernels/engine/engine.h); a test checks that
+# they agree.
+MIN_SECRET_LENGTH = 16
+
+
 def secret(value=None, env=None):
     """Returns the job secret: `value`, else TF_RDMA_SECRET."""
     env = os.environ if env is None else env
@@ -153,6 +158,11 @@ def secret(value=None, env=None):
             "and the client (tf-rdma launch generates one), or pass secret=")
     if any(ch.isspace() for ch in s):
         raise ConfigError("TF_RDMA_SECRET must not contain whitespace")
+    if len(s) < MIN_SECRET_LENGTH:
+        raise ConfigError(
+            f"TF_RDMA_SECRET has {len(s)} characters; it needs at least "
+            f"{MIN_SECRET_LENGTH}: anyone who records one handshake can try "
+            "short secrets offline (tf-rdma launch generates a 64-character one)")
     return s
 
 

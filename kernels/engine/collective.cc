@@ -264,8 +264,32 @@ const SlotSpec& Runner::Channel(int from, int to) {
   return channels_.emplace(key, s).first->second;
 }
 
+// A rank that times out waiting for one peer may be waiting on a healthy
+// rank that waits, in turn, for the one that stalled (in a ring, rank 1
+// waits for rank 0, which waits for a stopped rank 2). The rank that stalled
+// is visible from here in another way: it stops releasing the blocks sent
+// to it. So a timeout also names every peer that still holds blocks this
+// rank sent it, as the likely cause.
 Status Runner::Fail(const Status& s, const char* verb, int peer) const {
-  return s.Prefixed(spec_.Describe() + ": " + verb + " " + spec_.group[peer]);
+  Status failed =
+      s.Prefixed(spec_.Describe() + ": " + verb + " " + spec_.group[peer]);
+  if (s.code() != Code::kDeadlineExceeded) return failed;
+  std::string behind;
+  for (const auto& kv : channels_) {
+    if (kv.first.first != rank_) continue;
+    uint64_t written = 0, released = 0;
+    if (engine_->SendProgress(kv.second, &written, &released) &&
+        written > released) {
+      behind += (behind.empty() ? "" : ", ") + spec_.group[kv.first.second] +
+                " (has released block " + std::to_string(released) + " of " +
+                std::to_string(written) + " sent)";
+    }
+  }
+  if (behind.empty()) return failed;
+  return Status(failed.code(),
+                failed.message() + "; not taking the blocks this rank sent: " +
+                    behind + ", stalled or gone and likely what the group "
+                    "waits for");
 }
 
 Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {

@@ -4,7 +4,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sched.h>
+#include <poll.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -16,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <system_error>
 
 #include "kernels/engine/sha256.h"
 #include "kernels/transport/plugin.h"
@@ -28,9 +31,10 @@ namespace tf_rdma {
 // State shared by the threads of the engine.
 
 struct Connection {
-  int fd = -1;
+  int fd = -1;               // closed by the last holder (see CloseConnection)
   std::string peer;          // the peer's task
   std::string peer_address;  // where the socket goes, for messages
+  std::string incarnation;   // the peer process's id (see "Restarted peers")
   bool dialed = false;       // true: we write data, the peer writes credits
   std::unique_ptr<Pair> pair;
   std::mutex send_mu;        // one frame at a time on fd
@@ -38,11 +42,19 @@ struct Connection {
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;
   bool dead = false;
+  std::atomic<bool> gone{false};  // = dead, for lock-free checks
   Code dead_code = Code::kUnavailable;
   std::string dead_reason;
   uint64_t next_request = 1;
+  std::set<uint64_t> outstanding;  // requests waiting for their reply
   std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
   std::set<uint32_t> peer_writable;  // our region ids this peer may write
+  int regions_created = 0;           // by this peer's OPEN requests
+
+  ~Connection() {
+    pair.reset();
+    if (fd >= 0) close(fd);
+  }
 };
 
 struct LocalRegion {
@@ -55,9 +67,11 @@ struct LocalRegion {
   // when the writer opens the region. Guarded by Engine::mu_.
   std::shared_ptr<Connection> writer;
   int credit_handle = -1;
-  // Why a writer's OPEN of this region was refused (plan mismatch), so that
-  // the reader's waiting ops fail with the reason instead of a timeout.
+  // Why a writer's OPEN of this region was refused (plan mismatch, the
+  // writer restarted), so that the reader's waiting ops fail with the
+  // reason instead of a timeout; later OPENs are refused with it too.
   std::string refusal;
+  bool opened = false;  // a writer opened it (Engine::mu_)
 };
 
 // A step that fails is given back (the next op on the slot retries the same
@@ -96,8 +110,16 @@ struct SendSlot {
 // every slot in it.
 struct SendRegion {
   std::mutex mu;  // held while opening
+  std::string peer;  // the reader
+  // The credit region, created with the first OPEN and kept for retries
+  // and reconnections (one per region, however often OPEN is refused).
+  LocalRegion* credit_region = nullptr;
+  std::mutex state_mu;  // guards open, conn and refusal (also Engine::mu_)
   bool open = false;
   std::shared_ptr<Connection> conn;
+  // Non-empty: the reader restarted after this region was opened.
+  std::string refusal;
+  bool refusal_told = false;  // sent to the new reader (BindSendSlot)
   int data_handle = -1;
   Region* credits = nullptr;
   uint32_t credits_id = 0;
@@ -122,9 +144,13 @@ struct RecvSlot {
 
 namespace {
 
-const char kHandshakeVersion[] = "TFRDMA/1";
 constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 constexpr size_t kMaxLine = 4096;
+// How long a send whose connection was lost tries to dial the peer again.
+constexpr int64_t kRedialMs = 1000;
+// Regions one connection's OPENs may create: each holds a file descriptor,
+// so at most a quarter of the process's descriptors, and at most this many.
+constexpr int kMaxRegionsPerPeer = 1024;
 constexpr int kHandshakeTimeoutMs = 10000;
 
 std::string RandomHex(size_t nbytes) {
@@ -176,15 +202,24 @@ std::string ReadFirstLine(const char* path) {
   return line;
 }
 
-bool ParseUint(const std::string& s, uint64_t* out) {
-  if (s.empty() || s.size() > 20) return false;
-  uint64_t v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<uint64_t>(c - '0');
+// Peer-supplied text made safe for one log line: control and non-ASCII
+// bytes as \xNN, cut at `max` characters with the original length noted.
+std::string Printable(const std::string& text, size_t max = 80) {
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < max; ++i) {
+    unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+    }
   }
-  *out = v;
-  return true;
+  if (text.size() > max) {
+    out += "... (" + std::to_string(text.size()) + " bytes)";
+  }
+  return out;
 }
 
 Code CodeFromInt(uint64_t c) {
@@ -444,19 +479,31 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
         "no job secret: set TF_RDMA_SECRET to the same value on every task "
         "(tf-rdma launch does this for you)");
   }
+  if (c.secret.size() < kMinSecretBytes) {
+    return InvalidArgument(
+        "the job secret (TF_RDMA_SECRET) has " +
+        std::to_string(c.secret.size()) + " characters; it needs at least " +
+        std::to_string(kMinSecretBytes) +
+        ": anyone who records one handshake can try short secrets offline");
+  }
   *out = c;
   return Status::Ok();
 }
 
 Status SlotSpec::Validate() const {
+  // The attributes come from a graph (or the wire): every offset and size
+  // computed from them is checked for overflow, so that no value can wrap
+  // around into a slot that passes the bounds check and reads or writes
+  // outside its region.
   std::string what = "tensor '" + tensor_name + "' in region '" + region + "'";
   if (depth < 1 || depth > kMaxSlotDepth) {
     return InvalidArgument(what + ": depth " + std::to_string(depth) +
                            " must be in [1, " + std::to_string(kMaxSlotDepth) +
                            "]");
   }
-  if (stride < kSlotHeaderBytes + nbytes || stride % 64 != 0 ||
-      offset % 64 != 0) {
+  uint64_t min_stride = 0;
+  if (__builtin_add_overflow(kSlotHeaderBytes, nbytes, &min_stride) ||
+      stride < min_stride || stride % 64 != 0 || offset % 64 != 0) {
     return InvalidArgument(what + ": stride " + std::to_string(stride) +
                            " / offset " + std::to_string(offset) +
                            " must be multiples of 64 and stride >= 64 + " +
@@ -465,16 +512,21 @@ Status SlotSpec::Validate() const {
   if (region_bytes % kPageBytes != 0 || credit_bytes % kPageBytes != 0) {
     return InvalidArgument(what + ": region sizes must be multiples of 4096");
   }
-  uint64_t end = offset + static_cast<uint64_t>(depth) * stride;
-  if (end > region_bytes) {
-    return InvalidArgument(what + ": slot ends at byte " + std::to_string(end) +
-                           " but the region has only " +
-                           std::to_string(region_bytes) +
-                           " bytes (region too small for the plan)");
+  uint64_t span = 0, end = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(depth), stride, &span) ||
+      __builtin_add_overflow(offset, span, &end) || end > region_bytes) {
+    return InvalidArgument(
+        what + ": " + std::to_string(depth) + " copies of " +
+        std::to_string(stride) + " bytes from offset " +
+        std::to_string(offset) + " do not fit the region's " +
+        std::to_string(region_bytes) + " bytes (region too small for the plan)");
   }
-  uint64_t credit_end =
-      (static_cast<uint64_t>(credit_index) + 1) * depth * kCreditLineBytes;
-  if (credit_index < 0 || credit_end > credit_bytes) {
+  uint64_t lines = 0, credit_end = 0;
+  if (credit_index < 0 ||
+      __builtin_mul_overflow(static_cast<uint64_t>(credit_index) + 1,
+                             static_cast<uint64_t>(depth), &lines) ||
+      __builtin_mul_overflow(lines, kCreditLineBytes, &credit_end) ||
+      credit_end > credit_bytes) {
     return InvalidArgument(what + ": credit index " +
                            std::to_string(credit_index) +
                            " does not fit a credit region of " +
@@ -537,6 +589,13 @@ Status Engine::Start(const EngineConfig& config) {
   ev.data.fd = wake_fd_;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
   config_ = config;
+  incarnation_ = RandomHex(16);
+  struct rlimit files;
+  max_regions_per_peer_ = kMaxRegionsPerPeer;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+    max_regions_per_peer_ = static_cast<int>(std::max<rlim_t>(
+        64, std::min<rlim_t>(kMaxRegionsPerPeer, files.rlim_cur / 4)));
+  }
   stopping_ = false;
   started_ = true;
   accept_thread_ = std::thread([this] { AcceptLoop(); });
@@ -624,13 +683,14 @@ void Engine::Stop() {
   if (accept_thread_.joinable()) accept_thread_.join();
   if (progress_thread_.joinable()) progress_thread_.join();
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& kv : by_fd_) {
-    std::lock_guard<std::mutex> cl(kv.second->mu);
-    kv.second->dead = true;
-    kv.second->dead_reason = "the local endpoint was stopped";
-    kv.second->cv.notify_all();
-    kv.second->pair->Close();
-    shutdown(kv.first, SHUT_RDWR);
+  for (const auto& conn : connections_) {
+    std::lock_guard<std::mutex> cl(conn->mu);
+    conn->dead = true;
+    conn->gone.store(true);
+    conn->dead_reason = "the local endpoint was stopped";
+    conn->cv.notify_all();
+    conn->pair->Close();
+    shutdown(conn->fd, SHUT_RDWR);
   }
   poller_recheck_.store(true);
   RingPoller();
@@ -646,8 +706,9 @@ std::string Engine::Info() {
   out += "transport=" + config_.transport + "\n";
   out += "verbs=" + (verbs_ ? verbs_->Describe()
                             : "unusable: " + verbs_unusable_) + "\n";
-  for (auto& kv : by_fd_) {
-    const Connection& c = *kv.second;
+  for (const auto& conn : connections_) {
+    const Connection& c = *conn;
+    if (c.gone.load()) continue;
     out += "pair=" + (c.dialed ? config_.task + " -> " + c.peer
                                : c.peer + " -> " + config_.task) +
            " " + c.pair->transport() + "\n";
@@ -697,7 +758,29 @@ void Engine::Schedule(std::function<void()> fn) {
     pool_cv_.notify_one();
     return;
   }
-  std::thread([this] {
+  try {
+    std::thread([this] { PoolThread(); }).detach();
+    ++pool_threads_;
+  } catch (const std::system_error& e) {
+    // No thread to be had (a pids limit): the item waits for a pool thread
+    // that finishes its own (every item is bounded), or, with none, runs
+    // here (bounded too). Never a crash.
+    bool inline_run = pool_threads_ == 0;
+    std::function<void()> item;
+    if (inline_run) {
+      item = std::move(pool_queue_.back());
+      pool_queue_.pop_back();
+    }
+    lock.unlock();
+    LogLimited(std::string("cannot start an engine thread (") + e.what() +
+               "); " + (inline_run ? "running the work on this thread"
+                                   : "the work waits for a busy thread"));
+    if (inline_run) item();
+  }
+}
+
+void Engine::PoolThread() {
+  {
     std::unique_lock<std::mutex> lock(pool_mu_);
     while (true) {
       while (pool_queue_.empty()) {
@@ -706,7 +789,10 @@ void Engine::Schedule(std::function<void()> fn) {
           return !pool_queue_.empty();
         });
         --pool_idle_;
-        if (!woke) return;
+        if (!woke) {
+          --pool_threads_;
+          return;
+        }
       }
       std::function<void()> item = std::move(pool_queue_.front());
       pool_queue_.pop_front();
@@ -714,90 +800,234 @@ void Engine::Schedule(std::function<void()> fn) {
       item();
       lock.lock();
     }
-  }).detach();
+  }
 }
 
 // ---------------------------------------------------------------------------
 // Bootstrap handshake.
 //
 //   reader (accepts)                          writer (dials)
-//   "TFRDMA/1 CHALLENGE <nonce_r>"      ->
+//   "TFRDMA/2 CHALLENGE <nonce_r>"      ->
 //                                       <-  "HELLO <writer> <reader> <host id>
-//                                             <transports> <nonce_w> <proof_w>"
-//        proof_w = HMAC(secret, "hello|nonce_r|writer|reader")
-//   "WELCOME <transport> <proof_r>"     ->   (or "DENIED <reason>")
-//        proof_r = HMAC(secret, "welcome|nonce_w|reader|transport")
+//                                             <transports> <incarnation_w>
+//                                             <nonce_w> <proof_w>"
+//        proof_w = HMAC(secret, "hello|nonce_r|writer|reader|host id|
+//                                transports|incarnation_w|nonce_w")
+//   "WELCOME <transport> <incarnation_r> <proof_r>"  ->   (or "DENIED <why>")
+//        proof_r = HMAC(secret, "welcome|nonce_w|nonce_r|writer|reader|
+//                                transport|incarnation_r")
 //
 // Both sides prove knowledge of the job secret without sending it, over
-// fresh nonces, so a recorded handshake cannot be replayed. Until the
-// writer's proof checks out, the reader has created no state for it: a
-// client with the wrong secret gets nothing written, and is logged.
+// fresh nonces, so a recorded handshake cannot be replayed; every field
+// either side acts on is inside a proof, so a party in the middle cannot
+// steer the transport or fake a restart. Until the writer's proof checks
+// out, the reader has created no state for it: a client with the wrong
+// secret gets nothing written, and is logged.
+//
+// The incarnation is a random id each engine draws when it starts: a peer
+// that comes back with another one is a new process in the old one's place
+// (see "Restarted peers").
+//
+// Unauthenticated clients are bounded: at most kMaxHandshakes handshakes run
+// at once (kMaxHandshakesPerSource from one address), each on its own thread
+// and within one deadline for the whole exchange, however slowly the client
+// trickles its bytes; connections beyond that are closed at once (a real
+// writer that meets a full endpoint dials again until its deadline). Failing
+// to start a thread (a pids limit) closes that connection, never the
+// process. Rejections are logged with the peer's bytes escaped and cut, at
+// most kLogBurst lines per kLogWindowMs and then one summary line.
+
+namespace {
+
+const char kHandshakeVersion[] = "TFRDMA/2";
+constexpr int kMaxHandshakes = 64;
+constexpr int kMaxHandshakesPerSource = 16;
+constexpr int kLogBurst = 20;
+constexpr int64_t kLogWindowMs = 10000;
+
+std::string HelloProof(const std::string& secret, const std::string& nonce_r,
+                       const std::vector<std::string>& f) {
+  // f: the HELLO line's fields, "HELLO" first, the proof last.
+  return Proof(secret, "hello|" + nonce_r + "|" + f[1] + "|" + f[2] + "|" +
+                           f[3] + "|" + f[4] + "|" + f[5] + "|" + f[6]);
+}
+
+std::string WelcomeProof(const std::string& secret, const std::string& nonce_w,
+                         const std::string& nonce_r, const std::string& writer,
+                         const std::string& reader,
+                         const std::string& transport,
+                         const std::string& incarnation) {
+  return Proof(secret, "welcome|" + nonce_w + "|" + nonce_r + "|" + writer +
+                           "|" + reader + "|" + transport + "|" + incarnation);
+}
+
+// "host" of "host:port" / "[v6]:port".
+std::string HostOf(const std::string& address) {
+  size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+void Engine::LogLimited(const std::string& line) {
+  std::lock_guard<std::mutex> lock(limited_mu_);
+  Clock::time_point now = Clock::now();
+  if (now - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
+    FlushLimitedLocked();
+    limited_window_ = now;
+    limited_count_ = 0;
+  }
+  if (limited_count_ < kLogBurst) {
+    ++limited_count_;
+    Log(line);
+  } else {
+    ++limited_suppressed_;
+    limited_last_ = line;
+  }
+}
+
+void Engine::FlushLimitedLocked() {
+  if (limited_suppressed_ == 0) return;
+  Log(std::to_string(limited_suppressed_) + " more rejected connection" +
+      (limited_suppressed_ == 1 ? "" : "s") + " in the last " +
+      std::to_string(kLogWindowMs / 1000) + " s (last: " + limited_last_ + ")");
+  limited_suppressed_ = 0;
+}
+
+void Engine::FlushLimitedLog() {
+  std::lock_guard<std::mutex> lock(limited_mu_);
+  if (Clock::now() - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
+    FlushLimitedLocked();
+  }
+}
+
+uint64_t Engine::refused_connections() const {
+  return refused_connections_.load();
+}
 
 void Engine::AcceptLoop() {
+  Clock::time_point fd_logged{};
   while (!stopping_) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
       if (stopping_) return;
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: connections wait in the backlog meanwhile.
+        Clock::time_point now = Clock::now();
+        if (now - fd_logged > std::chrono::milliseconds(kLogWindowMs)) {
+          fd_logged = now;
+          struct rlimit lim;
+          getrlimit(RLIMIT_NOFILE, &lim);
+          Log(std::string("out of file descriptors (") +
+              (errno == EMFILE ? "this process's limit " +
+                                     std::to_string(lim.rlim_cur)
+                               : "the system's limit") +
+              "): new connections wait until some close; " +
+              std::to_string(handshakes_.load()) + " handshakes in progress");
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         continue;
       }
       return;
     }
-    std::thread([this, fd] { Handshake(fd); }).detach();
+    std::string from = PeerAddress(fd);
+    std::string source = HostOf(from);
+    std::string busy;
+    {
+      std::lock_guard<std::mutex> lock(handshake_mu_);
+      int& mine = handshakes_by_source_[source];
+      if (handshakes_ >= kMaxHandshakes) {
+        busy = std::to_string(kMaxHandshakes) + " handshakes in progress";
+      } else if (mine >= kMaxHandshakesPerSource) {
+        busy = std::to_string(mine) + " handshakes in progress from " + source;
+      } else {
+        ++handshakes_;
+        ++mine;
+      }
+      if (!busy.empty() && mine == 0) handshakes_by_source_.erase(source);
+    }
+    if (!busy.empty()) {
+      close(fd);
+      ++refused_connections_;
+      LogLimited("refused connection from " + from + ": " + busy +
+                 " (limit reached)");
+      continue;
+    }
+    try {
+      std::thread([this, fd, source] {
+        Handshake(fd);
+        EndHandshake(source);
+      }).detach();
+    } catch (const std::system_error& e) {
+      close(fd);
+      EndHandshake(source);
+      ++refused_connections_;
+      LogLimited("refused connection from " + from +
+                 ": cannot start a thread for it (" + e.what() +
+                 "; a pids limit?)");
+    }
   }
 }
 
+void Engine::EndHandshake(const std::string& source) {
+  std::lock_guard<std::mutex> lock(handshake_mu_);
+  --handshakes_;
+  if (--handshakes_by_source_[source] <= 0) handshakes_by_source_.erase(source);
+}
+
 void Engine::Handshake(int fd) {
+  Deadline deadline(kHandshakeTimeoutMs);
   TuneSocket(fd, kHandshakeTimeoutMs);
   std::string from = PeerAddress(fd);
-  auto deny = [&](const std::string& reason, const std::string& log) {
-    std::string line = "DENIED " + reason + "\n";
-    SendAll(fd, line.data(), line.size());
-    Log("rejected connection from " + from + ": " + log);
+  auto reject = [&](const std::string& log) {
+    ++refused_connections_;
+    LogLimited("rejected connection from " + from + ": " + log);
     close(fd);
   };
-  std::string nonce = RandomHex(32);
+  auto deny = [&](const std::string& reason, const std::string& log) {
+    std::string line = "DENIED " + reason + "\n";
+    SendAll(fd, line.data(), line.size(), deadline);
+    reject(log);
+  };
+  std::string nonce_r = RandomHex(32);
   std::string challenge =
-      std::string(kHandshakeVersion) + " CHALLENGE " + nonce + "\n";
-  if (!SendAll(fd, challenge.data(), challenge.size()).ok()) {
+      std::string(kHandshakeVersion) + " CHALLENGE " + nonce_r + "\n";
+  if (!SendAll(fd, challenge.data(), challenge.size(), deadline).ok()) {
     close(fd);
     return;
   }
   std::string line;
-  Status s = RecvLine(fd, &line, kMaxLine);
+  Status s = RecvLine(fd, &line, kMaxLine, deadline);
   if (!s.ok()) {
-    Log("rejected connection from " + from + ": no HELLO (" + s.message() +
-        ")");
-    close(fd);
+    reject("no HELLO (" + s.message() + ")");
     return;
   }
   std::vector<std::string> f = Split(line, ' ');
-  if (f.size() != 7 || f[0] != "HELLO") {
-    deny("malformed HELLO", "malformed HELLO '" + line.substr(0, 80) + "'");
+  if (f.size() != 8 || f[0] != "HELLO") {
+    deny("malformed HELLO (expected " + std::string(kHandshakeVersion) + ")",
+         "malformed HELLO '" + Printable(line) + "'");
     return;
   }
   const std::string &writer = f[1], &reader = f[2], &host = f[3];
-  const std::string &nonce_w = f[5], &proof_w = f[6];
-  if (!SameProof(proof_w, Proof(config_.secret, "hello|" + nonce + "|" +
-                                                    writer + "|" + reader))) {
+  const std::string &incarnation = f[5], &nonce_w = f[6], &proof_w = f[7];
+  if (!SameProof(proof_w, HelloProof(config_.secret, nonce_r, f))) {
     deny("secret proof does not match",
-         "peer claiming to be " + writer +
+         "peer claiming to be " + Printable(writer) +
              " failed the secret proof (is TF_RDMA_SECRET the same on every "
              "task?)");
     return;
   }
   if (config_.peers.find(writer) == config_.peers.end()) {
     deny(writer + " is not a task of this cluster",
-         "peer proved the secret but claims to be " + writer +
+         "peer proved the secret but claims to be " + Printable(writer) +
              ", which is not in this endpoint's cluster");
     return;
   }
   if (reader != config_.task) {
     deny("this endpoint is " + config_.task + ", not " + reader,
-         writer + " dialled " + reader + " but reached " + config_.task +
-             " (check the endpoint addresses)");
+         writer + " dialled " + Printable(reader) + " but reached " +
+             config_.task + " (check the endpoint addresses)");
     return;
   }
   std::vector<std::string> theirs = Split(f[4], ',');
@@ -809,18 +1039,19 @@ void Engine::Handshake(int fd) {
     break;
   }
   if (chosen.empty()) {
-    std::string why = "no common transport: " + writer + " allows " + f[4] +
-                      ", " + config_.task + " allows " +
+    std::string why = "no common transport: " + writer + " allows " +
+                      Printable(f[4]) + ", " + config_.task + " allows " +
                       Join(AllowedTransports(), ",") +
                       (host != HostId() ? " (different hosts)" : "");
     deny(why, why);
     return;
   }
-  std::string welcome = "WELCOME " + chosen + " " +
-                        Proof(config_.secret, "welcome|" + nonce_w + "|" +
-                                                  config_.task + "|" + chosen) +
-                        "\n";
-  if (!SendAll(fd, welcome.data(), welcome.size()).ok()) {
+  std::string welcome =
+      "WELCOME " + chosen + " " + incarnation_ + " " +
+      WelcomeProof(config_.secret, nonce_w, nonce_r, writer, config_.task,
+                   chosen, incarnation_) +
+      "\n";
+  if (!SendAll(fd, welcome.data(), welcome.size(), deadline).ok()) {
     close(fd);
     return;
   }
@@ -828,15 +1059,18 @@ void Engine::Handshake(int fd) {
   conn->fd = fd;
   conn->peer = writer;
   conn->peer_address = from;
+  conn->incarnation = incarnation;
   conn->dialed = false;
-  Status made = MakePair(chosen, false, conn);
+  Status made = MakePair(chosen, false, conn, deadline);
   if (!made.ok()) {
+    conn->fd = -1;  // closed by deny
     deny(chosen + " set-up failed on " + config_.task + ": " + made.message(),
          chosen + " set-up for " + writer + " failed: " + made.message());
     return;
   }
   TuneSocket(fd, static_cast<int>(config_.timeout_ms));
   Log(writer + " -> " + config_.task + " uses " + chosen);
+  NotePeerIncarnation(conn);
   AddToProgress(conn);
 }
 
@@ -854,59 +1088,74 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
   int port;
   TF_RDMA_RETURN_IF_ERROR(SplitHostPort(it->second, &host, &port));
   int fd = -1;
-  TF_RDMA_RETURN_IF_ERROR(
-      ::tf_rdma::Dial(host, port, deadline, &fd)
-          .Prefixed("reaching the endpoint of " + peer + " at " + it->second));
-  TuneSocket(fd, kHandshakeTimeoutMs);
+  std::string line;
   auto fail = [&](Status s) {
     close(fd);
     return s.Prefixed("handshake with " + peer + " at " + it->second);
   };
-  std::string line;
-  Status s = RecvLine(fd, &line, kMaxLine);
-  if (!s.ok()) return fail(s);
+  // An endpoint at its handshake limit closes new connections before its
+  // challenge: dial again (bounded by the deadline).
+  for (int backoff_ms = 10;; backoff_ms = std::min(backoff_ms * 2, 500)) {
+    TF_RDMA_RETURN_IF_ERROR(
+        ::tf_rdma::Dial(host, port, deadline, &fd)
+            .Prefixed("reaching the endpoint of " + peer + " at " +
+                      it->second));
+    TuneSocket(fd, kHandshakeTimeoutMs);
+    Status s = RecvLine(fd, &line, kMaxLine, deadline);
+    if (s.ok()) break;
+    if (s.code() != Code::kUnavailable || deadline.Expired()) return fail(s);
+    close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(
+        std::min<int64_t>(backoff_ms, deadline.RemainingMs() + 1)));
+  }
   std::vector<std::string> f = Split(line, ' ');
   if (f.size() != 3 || f[0] != kHandshakeVersion || f[1] != "CHALLENGE") {
     return fail(Unavailable("not a tf_rdma " + std::string(kHandshakeVersion) +
-                            " endpoint (got '" + line.substr(0, 60) + "')"));
+                            " endpoint (got '" + Printable(line, 60) + "')"));
   }
+  const std::string nonce_r = f[2];
   std::string nonce_w = RandomHex(32);
-  std::string hello =
-      "HELLO " + config_.task + " " + peer + " " + HostId() + " " +
-      Join(AllowedTransports(), ",") + " " + nonce_w + " " +
-      Proof(config_.secret, "hello|" + f[2] + "|" + config_.task + "|" + peer) +
-      "\n";
-  s = SendAll(fd, hello.data(), hello.size());
+  std::vector<std::string> hello = {
+      "HELLO", config_.task, peer, HostId(), Join(AllowedTransports(), ","),
+      incarnation_, nonce_w};
+  hello.push_back(HelloProof(config_.secret, nonce_r, hello));
+  std::string hello_line = Join(hello, " ") + "\n";
+  Status s = SendAll(fd, hello_line.data(), hello_line.size(), deadline);
   if (!s.ok()) return fail(s);
-  s = RecvLine(fd, &line, kMaxLine);
+  s = RecvLine(fd, &line, kMaxLine, deadline);
   if (!s.ok()) return fail(s);
   if (line.rfind("DENIED ", 0) == 0) {
     Code code = line.find("secret") != std::string::npos
                     ? Code::kPermissionDenied
                     : Code::kFailedPrecondition;
-    return fail(Status(code, "refused: " + line.substr(7)));
+    return fail(Status(code, "refused: " + Printable(line.substr(7), 400)));
   }
   f = Split(line, ' ');
-  if (f.size() != 3 || f[0] != "WELCOME" ||
-      !SameProof(f[2], Proof(config_.secret,
-                             "welcome|" + nonce_w + "|" + peer + "|" + f[1]))) {
+  if (f.size() != 4 || f[0] != "WELCOME" ||
+      !SameProof(f[3], WelcomeProof(config_.secret, nonce_w, nonce_r,
+                                    config_.task, peer, f[1], f[2]))) {
     return fail(PermissionDenied(
         "the peer did not prove knowledge of the job secret"));
   }
   auto conn = std::make_shared<Connection>();
-  conn->fd = fd;
   conn->peer = peer;
   conn->peer_address = it->second;
+  conn->incarnation = f[2];
   conn->dialed = true;
   if (!Contains(AllowedTransports(), f[1])) {
-    return fail(Unavailable("peer chose transport '" + f[1] +
+    return fail(Unavailable("peer chose transport '" + Printable(f[1]) +
                             "', which was not offered"));
   }
-  s = MakePair(f[1], true, conn);
-  if (!s.ok()) return fail(s);
+  conn->fd = fd;
+  s = MakePair(f[1], true, conn, deadline);
+  if (!s.ok()) {
+    conn->fd = -1;  // closed by fail
+    return fail(s);
+  }
   TuneSocket(fd, static_cast<int>(config_.timeout_ms));
   Log(config_.task + " -> " + peer + " uses " + f[1]);
-  AddToProgress(conn);
+  NotePeerIncarnation(conn);
+  TF_RDMA_RETURN_IF_ERROR(AddToProgress(conn));
   *out = conn;
   return Status::Ok();
 }
@@ -916,7 +1165,8 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
 // the accepting side brings its queue pair up before it answers, so that it
 // is ready to receive by the time the dialling side can send.
 Status Engine::MakePair(const std::string& transport, bool dialed,
-                        const std::shared_ptr<Connection>& conn) {
+                        const std::shared_ptr<Connection>& conn,
+                        const Deadline& deadline) {
   if (transport == "shm") {
     conn->pair.reset(new shm::Pair());
     return Status::Ok();
@@ -930,19 +1180,23 @@ Status Engine::MakePair(const std::string& transport, bool dialed,
       "setting up a verbs queue pair for " + conn->peer));
   std::string mine = "VERBS " + pair->address() + "\n";
   std::string line;
-  if (dialed) TF_RDMA_RETURN_IF_ERROR(SendAll(conn->fd, mine.data(), mine.size()));
-  TF_RDMA_RETURN_IF_ERROR(RecvLine(conn->fd, &line, kMaxLine));
+  if (dialed) {
+    TF_RDMA_RETURN_IF_ERROR(
+        SendAll(conn->fd, mine.data(), mine.size(), deadline));
+  }
+  TF_RDMA_RETURN_IF_ERROR(RecvLine(conn->fd, &line, kMaxLine, deadline));
   if (line.rfind("DENIED ", 0) == 0) {
-    return Unavailable("refused: " + line.substr(7));
+    return Unavailable("refused: " + Printable(line.substr(7), 400));
   }
   if (line.rfind("VERBS ", 0) != 0) {
     return Unavailable("expected the peer's verbs address, got '" +
-                       line.substr(0, 60) + "'");
+                       Printable(line, 60) + "'");
   }
   TF_RDMA_RETURN_IF_ERROR(pair->Connect(line.substr(6)).Prefixed(
       "connecting the verbs queue pair to " + conn->peer));
   if (!dialed) {
-    TF_RDMA_RETURN_IF_ERROR(SendAll(conn->fd, mine.data(), mine.size()));
+    TF_RDMA_RETURN_IF_ERROR(
+        SendAll(conn->fd, mine.data(), mine.size(), deadline));
   }
   conn->pair = std::move(pair);
   return Status::Ok();
@@ -962,8 +1216,13 @@ Status Engine::GetConnection(const std::string& peer, const Deadline& deadline,
     std::lock_guard<std::mutex> lock(mu_);
     auto it = dialed_.find(peer);
     if (it != dialed_.end()) {
-      *out = it->second;
-      return Status::Ok();
+      // A lost connection is forgotten: the next op dials again (the peer
+      // may be back, or a new process in its place).
+      if (CheckPeerAlive(it->second, "").ok()) {
+        *out = it->second;
+        return Status::Ok();
+      }
+      dialed_.erase(it);
     }
   }
   std::shared_ptr<Connection> conn;
@@ -975,27 +1234,145 @@ Status Engine::GetConnection(const std::string& peer, const Deadline& deadline,
 }
 
 // ---------------------------------------------------------------------------
-// The progress thread: reads every frame that arrives on any connection.
+// Restarted peers.
+//
+// A task that dies and is started again (same task, same plan) is a new
+// process: its step counters start at 1, its regions are new, and the
+// regions it had opened on its peers hold the old process's steps. Each
+// engine therefore draws a random incarnation id when it starts and sends it
+// in the handshake; the first one seen for a task is remembered, and a later
+// connection with another one means the task restarted.
+//
+// The two sides can continue only from a step they agree on. For a region
+// the old process never opened there is nothing to disagree about: the new
+// process opens it and starts at step 1, like any first writer. For a region
+// it had opened, the survivor is at step N and the newcomer at step 1;
+// rather than guess which steps the other side holds (tcp may have lost
+// frames in flight, a shm writer may have left a half-written copy), tf_rdma
+// refuses that region on both sides with an error that says the peer
+// restarted and what to do: restart every task of the job, which then start
+// together from step 1 (Keras BackupAndRestore, or the user's checkpoints,
+// resume the training). Ops waiting on such a region fail at once, not at
+// their timeout; the new process's ops get the same message from the OPEN
+// that the survivor refuses. A connection that drops while both processes
+// live (same incarnations) is dialled again and continues.
 
-void Engine::AddToProgress(const std::shared_ptr<Connection>& conn) {
+std::string Engine::RestartMessage(const std::string& peer, bool peer_writes) {
+  return peer + " restarted (a new process connected in its place) after " +
+         (peer_writes ? "it had started writing to " + config_.task
+                      : config_.task + " had started writing to it") +
+         "; tf_rdma does not resume transfers half-way through a job: "
+         "restart every task of the job so that all start again from step 1 "
+         "(Keras BackupAndRestore or your checkpoints resume the training)";
+}
+
+void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
+  std::vector<std::shared_ptr<Connection>> stale;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    by_fd_[conn->fd] = conn;
+    std::string& known = peer_incarnation_[conn->peer];
+    if (known.empty() || known == conn->incarnation) {
+      known = conn->incarnation;
+      return;
+    }
+    known = conn->incarnation;
+    Log(conn->peer + " restarted: it connected as a new process");
+    for (auto& region : regions_) {
+      LocalRegion& r = *region;
+      if (r.peer != conn->peer || r.name.find("#credit") != std::string::npos) {
+        continue;
+      }
+      if (r.opened && r.refusal.empty()) r.refusal = RestartMessage(r.peer, true);
+      r.writer.reset();
+    }
+    for (auto& kv : send_regions_) {
+      SendRegion& r = *kv.second;
+      if (r.peer != conn->peer) continue;
+      std::lock_guard<std::mutex> rl(r.state_mu);
+      if (r.open && r.refusal.empty()) {
+        r.refusal = RestartMessage(r.peer, false);
+      }
+    }
+    for (const auto& c : connections_) {
+      if (c->peer == conn->peer && c->incarnation != conn->incarnation) {
+        stale.push_back(c);
+      }
+    }
   }
-  struct epoll_event ev;
-  std::memset(&ev, 0, sizeof(ev));
-  ev.events = EPOLLIN | EPOLLRDHUP;
-  ev.data.fd = conn->fd;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn->fd, &ev);
+  for (const auto& c : stale) {
+    CloseConnection(c, Unavailable(conn->peer + " restarted"));
+  }
+  poller_recheck_.store(true);
+  RingPoller();
+}
+
+// ---------------------------------------------------------------------------
+// Connections after the handshake: a reader thread each.
+//
+// Each connection has its own thread that reads its frames: WRITE frames
+// (tcp payloads and credits, read straight into the region), OPEN requests
+// (answered on the same thread) and replies. A peer that stalls mid-frame,
+// or stops reading the replies it asked for, holds only its own connection's
+// thread, up to the timeout, and then loses the connection; every other
+// peer's transfers go on. (A single progress thread reading every socket
+// used to stall every transfer into the endpoint behind one such peer.) The
+// number of these threads is bounded by the cluster: one connection per
+// directed pair of tasks. Verbs notices, which arrive on completion
+// channels, are still drained by the one progress thread (ProgressLoop):
+// draining never blocks.
+
+Status Engine::AddToProgress(const std::shared_ptr<Connection>& conn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    connections_.insert(conn);
+  }
+  try {
+    std::thread([this, conn] { ReadLoop(conn); }).detach();
+  } catch (const std::system_error& e) {
+    Status s = Unavailable(std::string("cannot start the connection's reader "
+                                       "thread: ") + e.what() +
+                           " (a pids limit?)");
+    CloseConnection(conn, s);
+    std::lock_guard<std::mutex> lock(mu_);
+    connections_.erase(conn);
+    return s;
+  }
   int notice_fd = conn->pair->notice_fd();
   if (notice_fd >= 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       by_notice_fd_[notice_fd] = conn;
     }
+    struct epoll_event ev;
+    std::memset(&ev, 0, sizeof(ev));
     ev.events = EPOLLIN;
     ev.data.fd = notice_fd;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, notice_fd, &ev);
+  }
+  return Status::Ok();
+}
+
+void Engine::ReadLoop(std::shared_ptr<Connection> conn) {
+  while (!stopping_) {
+    {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      if (conn->dead) break;
+    }
+    struct pollfd p;
+    p.fd = conn->fd;
+    p.events = POLLIN | POLLRDHUP;
+    p.revents = 0;
+    int rc = poll(&p, 1, 100);
+    if (rc < 0 && errno != EINTR) {
+      CloseConnection(conn, ErrnoStatus("poll", errno));
+      break;
+    }
+    if (rc > 0) HandleFrame(conn);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  connections_.erase(conn);
+  if (conn->pair && conn->pair->notice_fd() >= 0) {
+    by_notice_fd_.erase(conn->pair->notice_fd());
   }
 }
 
@@ -1006,25 +1383,15 @@ void Engine::ProgressLoop() {
     for (int i = 0; i < n && !stopping_; ++i) {
       if (events[i].data.fd == wake_fd_) continue;
       std::shared_ptr<Connection> conn;
-      bool notices = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        auto it = by_fd_.find(events[i].data.fd);
-        if (it != by_fd_.end()) {
-          conn = it->second;
-        } else {
-          auto nt = by_notice_fd_.find(events[i].data.fd);
-          if (nt == by_notice_fd_.end()) continue;
-          conn = nt->second;
-          notices = true;
-        }
+        auto nt = by_notice_fd_.find(events[i].data.fd);
+        if (nt == by_notice_fd_.end()) continue;
+        conn = nt->second;
       }
-      if (notices) {
-        HandleNotices(conn);
-      } else {
-        HandleFrame(conn);
-      }
+      HandleNotices(conn);
     }
+    FlushLimitedLog();
   }
 }
 
@@ -1043,23 +1410,31 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
       return RegionForPeer(*conn, id);
     });
     if (!s.ok()) {
-      Log("rejected write from " + conn->peer + ": " + s.message());
+      LogLimited("rejected write from " + conn->peer + ": " + s.message());
     }
   } else if (s.ok() && (h.type == kOpenRequest || h.type == kOpenReply ||
                          h.type == kError)) {
     if (h.b > kMaxBodyBytes) {
-      s = InvalidArgument("frame body of " + std::to_string(h.b) + " bytes");
+      s = InvalidArgument("frame body of " + std::to_string(h.b) +
+                          " bytes (at most " + std::to_string(kMaxBodyBytes) +
+                          ")");
     } else {
       std::string body(h.b, '\0');
       s = RecvAll(conn->fd, &body[0], body.size());
       if (s.ok() && h.type == kOpenRequest) {
         HandleOpen(conn, h.a, body);
       } else if (s.ok() && h.type == kError) {
-        s = FailedPrecondition(body);
+        s = FailedPrecondition(Printable(body, 2000));
       } else if (s.ok()) {
         std::lock_guard<std::mutex> lock(conn->mu);
-        conn->replies[h.a] = {h, body};
-        conn->cv.notify_all();
+        // Only a reply to a request still waiting for one is kept.
+        if (conn->outstanding.count(h.a)) {
+          conn->replies[h.a] = {h, body};
+          conn->cv.notify_all();
+        } else {
+          s = InvalidArgument("OPEN reply " + std::to_string(h.a) +
+                              " answers no outstanding request");
+        }
       }
     }
   } else if (s.ok()) {
@@ -1093,7 +1468,7 @@ void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
     PublishWord(region->Word(n.offset), n.seq);
   }
   if (!s.ok()) {
-    Log("rejected notice from " + conn->peer + ": " + s.message());
+    LogLimited("rejected notice from " + conn->peer + ": " + s.message());
     CloseConnection(conn, s);
   } else if (!received.ok()) {
     CloseConnection(conn, received);
@@ -1106,12 +1481,15 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
     std::lock_guard<std::mutex> lock(conn->mu);
     if (conn->dead) return;
     conn->dead = true;
+    conn->gone.store(true, std::memory_order_release);
     // A refusal by the peer (plan mismatch) keeps its code; anything else
     // means the peer is gone.
     conn->dead_code = why.code() == Code::kFailedPrecondition
                           ? Code::kFailedPrecondition
                           : Code::kUnavailable;
     conn->dead_reason = why.message();
+    conn->replies.clear();
+    conn->peer_writable.clear();
     conn->cv.notify_all();
   }
   if (!stopping_) {
@@ -1120,17 +1498,38 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
                       : conn->peer + " -> " + config_.task) +
         ": " + why.message());
   }
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd, nullptr);
-  if (conn->pair->notice_fd() >= 0) {
-    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->pair->notice_fd(), nullptr);
+  if (conn->pair) {
+    if (conn->pair->notice_fd() >= 0) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->pair->notice_fd(), nullptr);
+    }
+    conn->pair->Close();
   }
-  conn->pair->Close();
+  // The fd itself is closed by the last holder of the connection
+  // (~Connection), so that its number is not reused under a thread still
+  // using it.
   shutdown(conn->fd, SHUT_RDWR);
   // Waits on this peer fail now, not at their next periodic check.
   poller_recheck_.store(true);
   RingPoller();
-  // The fd stays open (and in by_fd_) until process exit so that its number
-  // is not reused under a thread still holding the connection.
+  // A peer on this host that died leaves its segments in /dev/shm (nothing
+  // runs at SIGKILL); once its process is gone their locks are free and
+  // they can go (region.h). Try for a few seconds: the process may still be
+  // exiting.
+  if (!stopping_ && conn->pair &&
+      std::string(conn->pair->transport()) == "shm") {
+    Schedule([this] {
+      for (int i = 0; i < 30 && !stopping_; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        uint64_t bytes = 0;
+        if (int n = RemoveStaleSegments(&bytes)) {
+          Log("removed " + std::to_string(n) + " shared-memory segment" +
+              (n == 1 ? "" : "s") + " (" + std::to_string(bytes) +
+              " bytes) of a peer that died");
+          return;
+        }
+      }
+    });
+  }
 }
 
 Status Engine::CheckPeerAlive(const std::shared_ptr<Connection>& conn,
@@ -1147,14 +1546,19 @@ Status Engine::CheckPeerAlive(const std::shared_ptr<Connection>& conn,
 }
 
 Status Engine::SendFrame(const std::shared_ptr<Connection>& conn,
-                         const FrameHeader& h, const std::string& body) {
+                         const FrameHeader& h, const std::string& body,
+                         const Deadline& deadline) {
   struct iovec iov[2];
   iov[0].iov_base = const_cast<FrameHeader*>(&h);
   iov[0].iov_len = sizeof(h);
   iov[1].iov_base = const_cast<char*>(body.data());
   iov[1].iov_len = body.size();
   std::lock_guard<std::mutex> lock(conn->send_mu);
-  return SendAllv(conn->fd, iov, body.empty() ? 1 : 2);
+  size_t sent = 0;
+  Status s = SendAllv(conn->fd, iov, body.empty() ? 1 : 2, deadline, &sent);
+  // Half a frame on the wire: the stream cannot carry another one.
+  if (!s.ok() && sent > 0) CloseConnection(conn, s);
+  return s;
 }
 
 Status Engine::Request(const std::shared_ptr<Connection>& conn,
@@ -1164,14 +1568,28 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(conn->mu);
+    if (conn->dead) {
+      return Unavailable("connection to " + conn->peer + " lost (" +
+                         conn->dead_reason + ")");
+    }
     id = conn->next_request++;
+    conn->outstanding.insert(id);
   }
+  struct Forget {  // the reply, if it comes late, is not kept
+    Connection* conn;
+    uint64_t id;
+    ~Forget() {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      conn->outstanding.erase(id);
+      conn->replies.erase(id);
+    }
+  } forget{conn.get(), id};
   std::string body = EncodeFields(fields);
   FrameHeader h;
   h.type = kOpenRequest;
   h.a = id;
   h.b = body.size();
-  TF_RDMA_RETURN_IF_ERROR(SendFrame(conn, h, body));
+  TF_RDMA_RETURN_IF_ERROR(SendFrame(conn, h, body, deadline));
   std::unique_lock<std::mutex> lock(conn->mu);
   while (true) {
     auto it = conn->replies.find(id);
@@ -1179,7 +1597,7 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
       FrameHeader rh = it->second.first;
       std::string rbody = it->second.second;
       conn->replies.erase(it);
-      if (rh.c != 0) return Status(CodeFromInt(rh.c), rbody);
+      if (rh.c != 0) return Status(CodeFromInt(rh.c), Printable(rbody, 2000));
       *reply = DecodeFields(rbody);
       return Status::Ok();
     }
@@ -1194,7 +1612,6 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
     conn->cv.wait_for(lock, std::chrono::milliseconds(50));
   }
 }
-
 // ---------------------------------------------------------------------------
 // Regions.
 
@@ -1260,37 +1677,98 @@ Region* Engine::RegionForPeer(const Connection& conn, uint32_t id) {
   return id < regions_.size() ? regions_[id]->memory.get() : nullptr;
 }
 
+namespace {
+
+// Region names tf_rdma generates carry the writer and the reader: a plan's
+// "<plan>/<writer>-><reader>", a collective's "coll:<instance>:<writer>>
+// <reader>", and their dynamic payload areas "<region>#<tensor>#<n>". A
+// writer may open only names of these forms that name itself and this
+// reader (other names come from raw ops and belong to their first writer).
+bool NameBelongsTo(const std::string& name, const std::string& writer,
+                   const std::string& reader) {
+  // The pair's part ends the name, or is followed by a payload area's '#'.
+  auto names = [&](const std::string& pair) {
+    size_t at = name.rfind(pair);
+    while (at != std::string::npos) {
+      size_t end = at + pair.size();
+      if (end == name.size() || name[end] == '#') return true;
+      at = at == 0 ? std::string::npos : name.rfind(pair, at - 1);
+    }
+    return false;
+  };
+  if (name.rfind("coll:", 0) == 0) return names(":" + writer + ">" + reader);
+  if (name.find("->") != std::string::npos) {
+    return names("/" + writer + "->" + reader);
+  }
+  return true;
+}
+
+}  // namespace
+
+// OPEN: a writer asks for its region here. Bounded on purpose, since the
+// writer chooses the name and the size: the name must be its own (above);
+// each connection may create at most kMaxRegionsPerPeer regions; the size
+// is reserved in /dev/shm when the region is created (Region::Create), so
+// asking for more than there is fails with an error instead of a SIGBUS
+// later; and a region keeps the writer that first opened it (a second live
+// writer is refused; a writer whose connection was lost is replaced).
 void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                         uint64_t request_id, const std::string& body) {
-  auto f = DecodeFields(body);
-  uint64_t size = 0, credit_size = 0, credit_id = 0;
-  Status s;
-  if (!ParseUint(f["size"], &size) || !ParseUint(f["credit_size"], &credit_size) ||
-      !ParseUint(f["credit_id"], &credit_id) || f["name"].empty()) {
-    s = InvalidArgument("malformed OPEN request from " + conn->peer);
-  }
+  OpenRequest request;
+  Status s = ParseOpenRequest(body, &request).Prefixed(
+      "malformed OPEN request from " + conn->peer);
+  std::map<std::string, std::string>& f = request.fields;
+  const std::string& name = request.name;
+  uint64_t size = request.size;
   std::map<std::string, std::string> reply;
   if (s.ok() && conn->dialed) {
     s = FailedPrecondition("OPEN request on a connection we dialled");
   }
+  if (s.ok() && !NameBelongsTo(name, conn->peer, config_.task)) {
+    s = PermissionDenied("region '" + Printable(name) + "' belongs to another "
+                         "pair of tasks than " + conn->peer + " -> " +
+                         config_.task);
+  }
   LocalRegion* region = nullptr;
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    s = FindOrCreateDataRegion(f["name"], size, f["plan_hash"], conn->peer,
-                               &region);
-    if (s.ok() && region->writer && region->writer != conn) {
-      s = FailedPrecondition("region '" + f["name"] +
+    bool exists = data_regions_.count(name) > 0;
+    if (!exists && conn->regions_created >= max_regions_per_peer_) {
+      s = FailedPrecondition(
+          conn->peer + " has already opened " +
+          std::to_string(conn->regions_created) +
+          " regions on this connection, the most allowed (a quarter of the "
+          "process's file descriptor limit, at most " +
+          std::to_string(kMaxRegionsPerPeer) + ")");
+    }
+    if (s.ok()) {
+      s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
+                                 &region);
+    }
+    if (s.ok() && !exists) ++conn->regions_created;
+    // The writer refuses to go on with this region (it saw this process
+    // restart; see "Restarted peers"): ops waiting on it fail with why.
+    if (s.ok() && !request.refusal.empty() && region->refusal.empty()) {
+      region->refusal = Printable(request.refusal, 1000);
+    }
+    if (s.ok() && !region->refusal.empty()) {
+      s = FailedPrecondition(region->refusal);
+    }
+    if (s.ok() && region->writer && region->writer != conn &&
+        !region->writer->gone.load()) {
+      s = FailedPrecondition("region '" + name +
                              "' already has a connected writer");
     }
-    if (s.ok() && !region->writer) {
+    if (s.ok() && region->writer != conn) {
       RegionDescriptor credits = DecodeDescriptor(f, "credit_");
-      credits.id = static_cast<uint32_t>(credit_id);
-      credits.size = credit_size;
+      credits.id = request.credit_id;
+      credits.size = request.credit_size;
       int handle = -1;
       s = conn->pair->AddRemoteRegion(credits, &handle);
       if (s.ok()) {
         region->writer = conn;
         region->credit_handle = handle;
+        region->opened = true;
       }
     }
   }
@@ -1309,22 +1787,27 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
   std::string rbody = s.ok() ? EncodeFields(reply) : s.message();
   h.b = rbody.size();
   h.c = static_cast<uint64_t>(s.code());
-  if (!s.ok()) Log("refused region for " + conn->peer + ": " + s.message());
-  Status sent = SendFrame(conn, h, rbody);
+  if (!s.ok()) {
+    LogLimited("refused region for " + conn->peer + ": " + s.message());
+  }
+  Status sent = SendFrame(conn, h, rbody, Deadline(config_.timeout_ms));
   if (!sent.ok()) CloseConnection(conn, sent);
 }
 
 void Engine::RefuseWriter(const std::string& region_name, const Status& why) {
   // Caller holds mu_. The writer already opened the region with another
-  // plan: tell it why its data is refused, then drop it.
+  // plan: tell it why its data is refused, then drop it (on an engine
+  // thread: the send may wait up to its deadline, not under mu_).
   auto it = data_regions_.find(region_name);
   if (it == data_regions_.end() || !it->second->writer) return;
   std::shared_ptr<Connection> writer = it->second->writer;
-  FrameHeader h;
-  h.type = kError;
-  h.b = why.message().size();
-  SendFrame(writer, h, why.message());
-  CloseConnection(writer, why);
+  Schedule([this, writer, why] {
+    FrameHeader h;
+    h.type = kError;
+    h.b = why.message().size();
+    SendFrame(writer, h, why.message(), Deadline(kHandshakeTimeoutMs));
+    CloseConnection(writer, why);
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -1360,30 +1843,86 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
   return Status::Ok();
 }
 
-Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline) {
+Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
+                            SendBinding* out) {
   std::lock_guard<std::mutex> lock(slot->mu);
-  if (slot->bound) return Status::Ok();
   const SlotSpec& spec = slot->spec;
+  Status lost;
+  if (slot->bound) {
+    if (!slot->conn->gone.load(std::memory_order_acquire)) {
+      *out = SendBinding{slot->conn, slot->data_handle};
+      return Status::Ok();
+    }
+    // The connection was lost. Dial again, briefly: the peer may be back
+    // (or restarted, see "Restarted peers"); a peer that is gone fails the
+    // op within kRedialMs with why, not at its timeout.
+    lost = CheckPeerAlive(slot->conn, "");
+    if (lost.ok()) lost = Unavailable("the connection to " + spec.peer +
+                                      " was lost");
+    slot->bound = false;
+  }
   std::shared_ptr<Connection> conn;
-  TF_RDMA_RETURN_IF_ERROR(GetConnection(spec.peer, deadline, &conn));
+  Status dialed = GetConnection(
+      spec.peer,
+      lost.ok() ? deadline
+                : Deadline(std::min<int64_t>(kRedialMs, deadline.RemainingMs())),
+      &conn);
+  if (!dialed.ok()) {
+    return lost.ok() ? dialed
+                     : Status(lost.code(), lost.message() +
+                                               "; dialling it again: " +
+                                               dialed.message());
+  }
   // Several slots share a region; whichever binds first opens it, the others
   // wait for it here and then share its connection, handle and credits.
   SendRegion* region;
   {
     std::lock_guard<std::mutex> elock(mu_);
     auto& entry = send_regions_[spec.region];
-    if (entry == nullptr) entry.reset(new SendRegion);
+    if (entry == nullptr) {
+      entry.reset(new SendRegion);
+      entry->peer = spec.peer;
+    }
     region = entry.get();
   }
   std::lock_guard<std::mutex> rlock(region->mu);
-  if (!region->open) {
+  bool open;
+  std::string refusal;
+  bool tell = false;
+  {
+    std::lock_guard<std::mutex> sl(region->state_mu);
+    refusal = region->refusal;
+    tell = !refusal.empty() && !region->refusal_told;
+    if (tell) region->refusal_told = true;
+    open = region->open && region->conn == conn;
+  }
+  if (!refusal.empty()) {
+    // The reader restarted: tell the new process too, so that its recvs
+    // fail now with the reason rather than wait for data that never comes.
+    if (tell && region->credit_region != nullptr) {
+      int ignored = -1;
+      OpenRemoteRegion(conn, spec.region, spec.region_bytes, spec.plan_hash,
+                       region->credit_region->id,
+                       *region->credit_region->memory, deadline, &ignored,
+                       refusal);
+    }
+    return FailedPrecondition(refusal);
+  }
+  if (!open) {
     TF_RDMA_RETURN_IF_ERROR(OpenSendRegion(spec, conn, deadline, region));
+  }
+  {
+    std::lock_guard<std::mutex> dl(slot->dynamic_mu);
+    // A dynamic slot's payload area was opened through the old connection:
+    // the next tensor opens a new generation through this one.
+    if (slot->conn != region->conn) slot->capacity = 0;
   }
   slot->conn = region->conn;
   slot->data_handle = region->data_handle;
   slot->credits = region->credits;
   slot->credits_id = region->credits_id;
   slot->bound = true;
+  *out = SendBinding{slot->conn, slot->data_handle};
   return Status::Ok();
 }
 
@@ -1394,11 +1933,13 @@ Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
                                 const std::string& name, uint64_t size,
                                 const std::string& plan_hash,
                                 uint32_t credits_id, const Region& credits,
-                                const Deadline& deadline, int* handle) {
+                                const Deadline& deadline, int* handle,
+                                const std::string& refusal) {
   RegionDescriptor exposed;
   TF_RDMA_RETURN_IF_ERROR(conn->pair->Expose(credits_id, credits, &exposed));
   std::map<std::string, std::string> request = {
       {"name", name}, {"size", std::to_string(size)}, {"plan_hash", plan_hash}};
+  if (!refusal.empty()) request["refusal"] = refusal;
   EncodeDescriptor(exposed, "credit_", &request);
   std::map<std::string, std::string> reply;
   TF_RDMA_RETURN_IF_ERROR(Request(conn, request, deadline, &reply));
@@ -1408,13 +1949,15 @@ Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
 Status Engine::OpenSendRegion(const SlotSpec& spec,
                               const std::shared_ptr<Connection>& conn,
                               const Deadline& deadline, SendRegion* region) {
-  LocalRegion* credits = nullptr;
-  {
+  // Caller holds region->mu.
+  if (region->credit_region == nullptr) {
     std::lock_guard<std::mutex> elock(mu_);
     TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(spec.region + "#credit",
                                            spec.credit_bytes, spec.plan_hash,
-                                           spec.peer, &credits));
+                                           spec.peer,
+                                           &region->credit_region));
   }
+  LocalRegion* credits = region->credit_region;
   {
     std::lock_guard<std::mutex> cl(conn->mu);
     conn->peer_writable.insert(credits->id);
@@ -1423,6 +1966,9 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
   TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
       conn, spec.region, spec.region_bytes, spec.plan_hash, credits->id,
       *credits->memory, deadline, &data_handle));
+  std::lock_guard<std::mutex> elock(mu_);
+  std::lock_guard<std::mutex> sl(region->state_mu);
+  if (!region->refusal.empty()) return FailedPrecondition(region->refusal);
   region->conn = conn;
   region->data_handle = data_handle;
   region->credits = credits->memory.get();
@@ -1445,6 +1991,27 @@ uint64_t CreditNeeded(const SlotSpec& spec, uint64_t step) {
 }
 
 }  // namespace
+
+bool Engine::SendProgress(const SlotSpec& spec, uint64_t* written,
+                          uint64_t* released) {
+  SendSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = send_slots_.find(SlotKey(spec));
+    if (it == send_slots_.end()) return false;
+    slot = it->second.get();
+  }
+  std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->credits == nullptr) return false;
+  *written = slot->steps.claimed;
+  *released = 0;
+  for (int64_t c = 0; c < slot->spec.depth; ++c) {
+    *released = std::max<uint64_t>(
+        *released, CreditWord(slot->credits, slot->spec, c)
+                       ->load(std::memory_order_acquire));
+  }
+  return true;
+}
 
 // True if the slot is connected and the copy for the ticket's step is free.
 bool Engine::CreditReady(const SendTicket& ticket) const {
@@ -1502,8 +2069,10 @@ Status Engine::FinishSendDynamic(const SendTicket& ticket, const void* data,
 
 // Writes a dynamic step's bytes into the current payload area, opening a
 // larger one first if they do not fit, and records its generation in meta.
-Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
-                                   DynamicMeta* meta) {
+Status Engine::WriteDynamicPayload(const SendTicket& ticket,
+                                   const SendBinding& binding,
+                                   const void* data, DynamicMeta* meta,
+                                   const Deadline& deadline) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
   if (meta->nbytes == 0) {
@@ -1520,10 +2089,9 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
       uint64_t size = kDynamicHeaderBytes + wanted * spec.depth;
       std::string name = spec.region + "#" + spec.tensor_name + "#" +
                          std::to_string(slot->generation + 1);
-      Deadline deadline(ticket.timeout_ms);
       int new_handle = -1;
       TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
-          slot->conn, name, size, spec.plan_hash, slot->credits_id,
+          binding.conn, name, size, spec.plan_hash, slot->credits_id,
           *slot->credits, deadline, &new_handle));
       slot->generation += 1;
       slot->capacity = wanted;
@@ -1535,9 +2103,9 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket, const void* data,
   }
   uint64_t copy = ticket.copy;
   meta->generation = generation;
-  return slot->conn->pair->Write(
+  return binding.conn->pair->Write(
       handle, kDynamicHeaderBytes + copy * capacity, data, meta->nbytes,
-      copy * kCreditLineBytes, ticket.step);
+      copy * kCreditLineBytes, ticket.step, deadline);
 }
 
 Status Engine::SendStep(SendTicket ticket, const void* data,
@@ -1547,23 +2115,25 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   std::string what = "tf_rdma send of " +
                      spec.Describe(spec.match_calls ? ticket.call : ticket.step);
   Deadline deadline(ticket.timeout_ms);
-  Status s = BindSendSlot(slot, deadline);
+  SendBinding bound;
+  Status s = BindSendSlot(slot, deadline, &bound);
+  const std::shared_ptr<Connection>& conn = bound.conn;
   if (!s.ok()) {
     return s.code() == Code::kDeadlineExceeded
                ? DeadlineExceeded(what + ": " + s.message())
                : s.Prefixed(what);
   }
   if (spec.match_calls) {
-    TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, deadline, what));
+    TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, conn, deadline, what));
     // The call's id first, then the data and the step's notice: a reader
     // that sees the notice sees the id (writes on a pair apply in order).
-    s = slot->conn->pair->Write(
-        slot->data_handle, 0, nullptr, 0,
-        CopyOffset(spec, ticket.copy) + kCallWordOffset, ticket.call);
+    s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
+                          CopyOffset(spec, ticket.copy) + kCallWordOffset,
+                          ticket.call, deadline);
   } else {
     s = WaitForWord(CreditWord(slot->credits, spec, ticket.copy),
                     CreditNeeded(spec, ticket.step), deadline,
-                    [&] { return CheckPeerAlive(slot->conn, what); });
+                    [&] { return CheckPeerAlive(conn, what); });
   }
   if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
@@ -1580,7 +2150,7 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
     // sees the notice only after the bytes it describes (same connection,
     // writes applied in order).
     meta = *dynamic;
-    if (s.ok()) s = WriteDynamicPayload(ticket, data, &meta);
+    if (s.ok()) s = WriteDynamicPayload(ticket, bound, data, &meta, deadline);
     data = &meta;
   }
   uint64_t copy = CopyOffset(spec, ticket.copy);
@@ -1589,8 +2159,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
     if (dynamic == nullptr && ticket.nbytes != 0 && ticket.nbytes < nbytes) {
       nbytes = ticket.nbytes;
     }
-    s = slot->conn->pair->Write(slot->data_handle, copy + kSlotHeaderBytes,
-                                data, nbytes, copy, ticket.step);
+    s = conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes, data,
+                          nbytes, copy, ticket.step, deadline);
   }
   if (spec.match_calls) {
     std::lock_guard<std::mutex> lock(slot->mu);
@@ -1598,8 +2168,11 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
     slot->busy[ticket.copy] = 0;
   }
   if (!s.ok()) {
-    if (slot->conn->pair->broken()) CloseConnection(slot->conn, s);
-    Status alive = CheckPeerAlive(slot->conn, what);
+    if (conn->pair->broken()) CloseConnection(conn, s);
+    if (s.code() == Code::kDeadlineExceeded) {
+      return DeadlineExceeded(what + ": " + s.message());
+    }
+    Status alive = CheckPeerAlive(conn, what);
     return alive.ok() ? s.Prefixed(what) : alive;
   }
   return Status::Ok();
@@ -1647,8 +2220,9 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
 // frame header on tcp, a message on verbs) and a scan of `depth` header
 // words per recv.
 
-Status Engine::AcquireCopy(SendTicket* ticket, const Deadline& deadline,
-                           const std::string& what) {
+Status Engine::AcquireCopy(SendTicket* ticket,
+                           const std::shared_ptr<Connection>& conn,
+                           const Deadline& deadline, const std::string& what) {
   SendSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::vector<WordWatch> watch;
@@ -1682,7 +2256,7 @@ Status Engine::AcquireCopy(SendTicket* ticket, const Deadline& deadline,
           "them)");
     }
     if (now >= next_check) {
-      TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(slot->conn, what));
+      TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(conn, what));
       next_check = now + std::chrono::milliseconds(kCheckEveryMs);
     }
     Clock::time_point until = std::min(deadline.at(), next_check);
@@ -2004,7 +2578,8 @@ void Engine::Release(const RecvTicket& ticket) {
   uint64_t line =
       static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
-                                 line * kCreditLineBytes, ticket.step);
+                                 line * kCreditLineBytes, ticket.step,
+                                 Deadline(config_.timeout_ms));
   if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
     Log("could not return the credit of " +

@@ -52,6 +52,8 @@ constexpr uint64_t kCallWordOffset = 8;
 // Copies per slot at most (graph_passes/plan.py MAX_DEPTH).
 constexpr int64_t kMaxSlotDepth = 64;
 constexpr uint64_t kCreditLineBytes = 64;
+// The shortest job secret accepted (tf_rdma/settings.py MIN_SECRET_LENGTH).
+constexpr size_t kMinSecretBytes = 16;
 // A send polls the process's waiting recvs for this many times poll_us.
 constexpr int64_t kHelpPollFactor = 4;
 
@@ -135,6 +137,12 @@ struct LocalRegion;
 struct SendSlot;
 struct RecvSlot;
 struct SendRegion;
+
+// What a send writes through: the slot's connection and its region there.
+struct SendBinding {
+  std::shared_ptr<Connection> conn;
+  int data_handle = -1;
+};
 
 // A claimed step of a send: which copy, and where the payload goes.
 struct SendTicket {
@@ -220,10 +228,21 @@ class Engine {
   bool HelpRecvs();
   void Release(const RecvTicket& ticket);
 
+  // For a send slot that has written: the last step written and the
+  // newest step the reader released (credit words); false if the slot has
+  // not been bound. Collectives use it to name a peer that stalled.
+  bool SendProgress(const SlotSpec& spec, uint64_t* written,
+                    uint64_t* released);
+
   // Runs `fn` on an engine thread that may block (in bounded waits).
   void Schedule(std::function<void()> fn);
 
   void Log(const std::string& line);
+  // Log for lines a peer can cause (rejections): at most a few per
+  // interval, then one summary line (engine.cc, "Bootstrap handshake").
+  void LogLimited(const std::string& line);
+  // Connections refused or rejected before or in the handshake.
+  uint64_t refused_connections() const;
 
  private:
   Engine() = default;
@@ -235,15 +254,23 @@ class Engine {
               std::shared_ptr<Connection>* out);
   void AcceptLoop();
   void Handshake(int fd);
+  void EndHandshake(const std::string& source);
   void ProgressLoop();
-  void AddToProgress(const std::shared_ptr<Connection>& conn);
+  Status AddToProgress(const std::shared_ptr<Connection>& conn);
+  void ReadLoop(std::shared_ptr<Connection> conn);
   void HandleFrame(const std::shared_ptr<Connection>& conn);
+  void FlushLimitedLog();
+  void FlushLimitedLocked();
+  // Restarted peers (engine.cc).
+  void NotePeerIncarnation(const std::shared_ptr<Connection>& conn);
+  std::string RestartMessage(const std::string& peer, bool peer_writes);
   // Publishes the notices a verbs pair received (progress thread).
   void HandleNotices(const std::shared_ptr<Connection>& conn);
   // Makes the pair of the transport both ends chose; verbs exchanges the
   // queue pair addresses on `fd` first (the dialling side speaks first).
   Status MakePair(const std::string& transport, bool dialed,
-                  const std::shared_ptr<Connection>& conn);
+                  const std::shared_ptr<Connection>& conn,
+                  const Deadline& deadline);
   void CloseConnection(const std::shared_ptr<Connection>& conn,
                        const Status& why);
   Status Request(const std::shared_ptr<Connection>& conn,
@@ -253,7 +280,8 @@ class Engine {
   void HandleOpen(const std::shared_ptr<Connection>& conn, uint64_t request_id,
                   const std::string& body);
   Status SendFrame(const std::shared_ptr<Connection>& conn,
-                   const FrameHeader& h, const std::string& body);
+                   const FrameHeader& h, const std::string& body,
+                   const Deadline& deadline);
 
   // Regions and slots.
   Status FindOrCreateDataRegion(const std::string& name, uint64_t size,
@@ -264,12 +292,13 @@ class Engine {
                         LocalRegion** out);
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
-  Status BindSendSlot(SendSlot* slot, const Deadline& deadline);
+  Status BindSendSlot(SendSlot* slot, const Deadline& deadline,
+                      SendBinding* out);
   Status OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
                           const std::string& name, uint64_t size,
                           const std::string& plan_hash, uint32_t credits_id,
                           const Region& credits, const Deadline& deadline,
-                          int* handle);
+                          int* handle, const std::string& refusal = "");
   bool CreditReady(const SendTicket& ticket) const;
   Status OpenSendRegion(const SlotSpec& spec,
                         const std::shared_ptr<Connection>& conn,
@@ -278,13 +307,15 @@ class Engine {
                   const DynamicMeta* meta);
   // Matching calls (engine.cc): the writer takes any free copy, the reader
   // the copy its call's writer filled.
-  Status AcquireCopy(SendTicket* ticket, const Deadline& deadline,
-                     const std::string& what);
+  Status AcquireCopy(SendTicket* ticket,
+                     const std::shared_ptr<Connection>& conn,
+                     const Deadline& deadline, const std::string& what);
   bool MatchRecv(RecvTicket* ticket, bool take);
   Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline);
   void Abandon(const RecvTicket& ticket);
-  Status WriteDynamicPayload(const SendTicket& ticket, const void* data,
-                             DynamicMeta* meta);
+  Status WriteDynamicPayload(const SendTicket& ticket,
+                             const SendBinding& binding, const void* data,
+                             DynamicMeta* meta, const Deadline& deadline);
   bool PollRecvFor(RecvTicket* ticket);  // PollRecv's loop
   Status RecvStep(RecvTicket* ticket, const Deadline& deadline);
   // Why a recv that is still waiting must fail now (plan refusal, peer
@@ -316,7 +347,10 @@ class Engine {
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
 
+  void PoolThread();
+
   EngineConfig config_;
+  std::string incarnation_;  // random per Start (see "Restarted peers")
   std::atomic<bool> started_{false};
   std::atomic<bool> stopping_{false};
   int listen_fd_ = -1;
@@ -329,7 +363,11 @@ class Engine {
   std::mutex mu_;  // guards everything below
   std::map<std::string, std::shared_ptr<Connection>> dialed_;  // by peer task
   std::map<std::string, std::unique_ptr<std::mutex>> dial_mu_;
-  std::map<int, std::shared_ptr<Connection>> by_fd_;
+  // Live connections (each with its reader thread), both directions.
+  std::set<std::shared_ptr<Connection>> connections_;
+  int max_regions_per_peer_ = 1024;  // set by Start
+  // The incarnation last seen of each peer task.
+  std::map<std::string, std::string> peer_incarnation_;
   // Connections whose notices arrive as messages (verbs), by notice fd.
   std::map<int, std::shared_ptr<Connection>> by_notice_fd_;
   // The RDMA device (opened once per process), or why it is not used.
@@ -343,7 +381,20 @@ class Engine {
   std::map<std::string, std::unique_ptr<SendRegion>> send_regions_;
   std::map<std::string, std::unique_ptr<RecvSlot>> recv_slots_;
 
+  // Handshakes in progress, in all and by source address.
+  std::mutex handshake_mu_;
+  std::atomic<int> handshakes_{0};
+  std::map<std::string, int> handshakes_by_source_;
+  std::atomic<uint64_t> refused_connections_{0};
+  // LogLimited's window.
+  std::mutex limited_mu_;
+  Clock::time_point limited_window_{};
+  int limited_count_ = 0;
+  uint64_t limited_suppressed_ = 0;
+  std::string limited_last_;
+
   // Blocking-work threads (Schedule); grows on demand, idle threads exit.
+  int pool_threads_ = 0;  // under pool_mu_
   std::mutex pool_mu_;
   std::condition_variable pool_cv_;
   std::deque<std::function<void()>> pool_queue_;

@@ -4,9 +4,11 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -14,28 +16,69 @@
 
 namespace tf_rdma {
 
-Status SendAll(int fd, const void* data, size_t nbytes) {
+Status SendAll(int fd, const void* data, size_t nbytes,
+               const Deadline& deadline) {
   struct iovec iov;
   iov.iov_base = const_cast<void*>(data);
   iov.iov_len = nbytes;
-  return SendAllv(fd, &iov, 1);
+  return SendAllv(fd, &iov, 1, deadline);
 }
 
-Status SendAllv(int fd, struct iovec* iov, int iovcnt) {
+namespace {
+
+// Waits until `fd` is ready for `events` or the deadline passes; false on
+// timeout. EINTR restarts with the time that is left.
+bool PollUntil(int fd, short events, const Deadline& deadline) {
+  while (true) {
+    struct pollfd p;
+    p.fd = fd;
+    p.events = events;
+    p.revents = 0;
+    int64_t left = deadline.RemainingMs();
+    int rc = poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+    if (rc > 0) return true;  // ready, or an error the next call reports
+    if (rc == 0) return false;
+    if (errno != EINTR) return true;
+  }
+}
+
+}  // namespace
+
+Status SendAllv(int fd, struct iovec* iov, int iovcnt,
+                const Deadline& deadline, size_t* sent_out) {
+  size_t total = 0, sent = 0;
+  struct Report {
+    size_t* out;
+    const size_t& sent;
+    ~Report() {
+      if (out != nullptr) *out = sent;
+    }
+  } report{sent_out, sent};
+  for (int i = 0; i < iovcnt; ++i) total += iov[i].iov_len;
   while (iovcnt > 0) {
     struct msghdr msg;
     std::memset(&msg, 0, sizeof(msg));
     msg.msg_iov = iov;
     msg.msg_iovlen = iovcnt;
-    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!PollUntil(fd, POLLOUT, deadline)) {
+          return DeadlineExceeded(
+              "the peer stopped reading: " + std::to_string(sent) + " of " +
+              std::to_string(total) + " bytes sent after " +
+              std::to_string(deadline.timeout_ms()) + " ms");
+        }
+        continue;
+      }
       if (errno == EPIPE || errno == ECONNRESET) {
         return Unavailable("connection closed by peer");
       }
       return ErrnoStatus("send", errno);
     }
     size_t left = static_cast<size_t>(n);
+    sent += left;
     while (iovcnt > 0 && left >= iov->iov_len) {
       left -= iov->iov_len;
       ++iov;
@@ -68,16 +111,38 @@ Status RecvAll(int fd, void* data, size_t nbytes) {
   return Status::Ok();
 }
 
-Status RecvLine(int fd, std::string* line, size_t max_bytes) {
+Status RecvLine(int fd, std::string* line, size_t max_bytes,
+                const Deadline& deadline) {
+  // Peeks at what has arrived and consumes up to the newline only: the
+  // handshake is lock-step, so bytes after the line belong to the next
+  // message (a verbs address, the first frame) and must stay in the socket.
   line->clear();
-  while (line->size() < max_bytes) {
-    char c;
-    TF_RDMA_RETURN_IF_ERROR(RecvAll(fd, &c, 1));
-    if (c == '\n') return Status::Ok();
-    line->push_back(c);
+  char buf[1024];
+  while (true) {
+    if (!PollUntil(fd, POLLIN, deadline)) {
+      return DeadlineExceeded("no complete line within " +
+                              std::to_string(deadline.timeout_ms()) + " ms");
+    }
+    size_t want = std::min(sizeof(buf), max_bytes + 1 - line->size());
+    ssize_t n = recv(fd, buf, want, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) return Unavailable("connection closed by peer");
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      if (errno == ECONNRESET) return Unavailable("connection reset by peer");
+      return ErrnoStatus("recv", errno);
+    }
+    const char* end = static_cast<const char*>(
+        std::memchr(buf, '\n', static_cast<size_t>(n)));
+    size_t take = end ? static_cast<size_t>(end - buf) + 1
+                      : static_cast<size_t>(n);
+    TF_RDMA_RETURN_IF_ERROR(RecvAll(fd, buf, take));
+    line->append(buf, end ? take - 1 : take);
+    if (line->size() > max_bytes) {
+      return InvalidArgument("handshake line longer than " +
+                             std::to_string(max_bytes) + " bytes");
+    }
+    if (end) return Status::Ok();
   }
-  return InvalidArgument("handshake line longer than " +
-                         std::to_string(max_bytes) + " bytes");
 }
 
 Status SplitHostPort(const std::string& address, std::string* host,
@@ -225,6 +290,69 @@ std::string PeerAddress(int fd) {
   inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
   port = ntohs(a->sin_port);
   return std::string(host) + ":" + std::to_string(port);
+}
+
+// A decimal number that fits 64 bits, written as std::to_string writes
+// it; anything else (signs, spaces, leading zeros, a value past 2^64 - 1)
+// is rejected rather than wrapped.
+bool ParseUint(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.size() > 20 || (s.size() > 1 && s[0] == '0')) {
+    return false;
+  }
+  uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    if (__builtin_mul_overflow(v, 10, &v) ||
+        __builtin_add_overflow(v, static_cast<uint64_t>(c - '0'), &v)) {
+      return false;
+    }
+  }
+  *out = v;
+  return true;
+}
+
+Status ParseOpenRequest(const std::string& body, OpenRequest* out) {
+  out->fields = DecodeFields(body);
+  std::map<std::string, std::string>& f = out->fields;
+  uint64_t credit_id = 0;
+  if (!ParseUint(f["size"], &out->size)) {
+    return InvalidArgument("size '" + f["size"].substr(0, 40) +
+                           "' is not a number below 2^64");
+  }
+  if (!ParseUint(f["credit_size"], &out->credit_size)) {
+    return InvalidArgument("credit_size '" + f["credit_size"].substr(0, 40) +
+                           "' is not a number below 2^64");
+  }
+  if (!ParseUint(f["credit_id"], &credit_id) || credit_id > UINT32_MAX) {
+    return InvalidArgument("credit_id '" + f["credit_id"].substr(0, 40) +
+                           "' is not a region id (below 2^32)");
+  }
+  out->credit_id = static_cast<uint32_t>(credit_id);
+  out->name = f["name"];
+  if (out->name.empty() || out->name.size() > kMaxRegionNameBytes) {
+    return InvalidArgument("the region name has " +
+                           std::to_string(out->name.size()) +
+                           " bytes (1 to " +
+                           std::to_string(kMaxRegionNameBytes) + " allowed)");
+  }
+  out->plan_hash = f["plan_hash"];
+  out->refusal = f["refusal"];
+  return Status::Ok();
+}
+
+Status CheckWriteBounds(uint64_t offset, uint64_t nbytes,
+                        uint64_t notice_offset, uint64_t region_size,
+                        const std::string& region_name) {
+  if (offset > region_size || nbytes > region_size - offset ||
+      region_size < 8 || notice_offset > region_size - 8 ||
+      notice_offset % 8 != 0) {
+    return InvalidArgument(
+        "write of " + std::to_string(nbytes) + " bytes at offset " +
+        std::to_string(offset) + " (notice at " +
+        std::to_string(notice_offset) + ") is outside region " + region_name +
+        " of " + std::to_string(region_size) + " bytes; rejected");
+  }
+  return Status::Ok();
 }
 
 std::string EncodeFields(const std::map<std::string, std::string>& fields) {

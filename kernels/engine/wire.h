@@ -54,12 +54,23 @@ static_assert(sizeof(FrameHeader) == 48, "FrameHeader is 48 bytes on the wire");
 // Largest body of an OPEN frame; anything bigger is a protocol error.
 constexpr uint64_t kMaxBodyBytes = 64 * 1024;
 
-Status SendAll(int fd, const void* data, size_t nbytes);
-Status SendAllv(int fd, struct iovec* iov, int iovcnt);
+// Sends everything unless the deadline passes first (DeadlineExceeded: the
+// peer stopped reading, e.g. SIGSTOPped or partitioned). The socket may be
+// blocking; each send is non-blocking and waits in poll(). A send cut off
+// by the deadline leaves a partial message in the stream: the caller must
+// close the connection.
+Status SendAll(int fd, const void* data, size_t nbytes,
+               const Deadline& deadline);
+// `sent` (may be null): bytes that went out, also on failure.
+Status SendAllv(int fd, struct iovec* iov, int iovcnt,
+                const Deadline& deadline, size_t* sent = nullptr);
 // Unavailable("connection closed by peer") on EOF.
 Status RecvAll(int fd, void* data, size_t nbytes);
-// Reads one '\n'-terminated line (without the '\n'), at most max_bytes.
-Status RecvLine(int fd, std::string* line, size_t max_bytes);
+// Reads one '\n'-terminated line (without the '\n'), at most max_bytes,
+// by the deadline (one bound for the whole line, however the peer
+// trickles it).
+Status RecvLine(int fd, std::string* line, size_t max_bytes,
+                const Deadline& deadline);
 
 // Listens on host:port (port 0: any); returns the fd and the bound port.
 Status Listen(const std::string& host, int port, int* fd, int* bound_port);
@@ -71,6 +82,33 @@ Status Dial(const std::string& host, int port, const Deadline& deadline,
 // stalls mid-frame cannot block the progress thread forever.
 void TuneSocket(int fd, int recv_timeout_ms);
 std::string PeerAddress(int fd);
+
+// A decimal number that fits 64 bits, in canonical form (as std::to_string
+// writes it); anything else (signs, spaces, leading zeros, a value past
+// 2^64 - 1) is refused rather than wrapped.
+bool ParseUint(const std::string& s, uint64_t* out);
+
+// The longest region name an OPEN may carry.
+constexpr size_t kMaxRegionNameBytes = 1024;
+
+// An OPEN_REQUEST's body, parsed and range-checked (every number fits its
+// type; the name is 1..kMaxRegionNameBytes bytes). `fields` keeps all of
+// the body's fields (the credit region's descriptor).
+struct OpenRequest {
+  std::string name, plan_hash;
+  std::string refusal;  // the writer refuses to go on (a restarted reader)
+  uint64_t size = 0, credit_size = 0;
+  uint32_t credit_id = 0;
+  std::map<std::string, std::string> fields;
+};
+Status ParseOpenRequest(const std::string& body, OpenRequest* out);
+
+// Checks that a write of `nbytes` at `offset` with its 8-byte notice word at
+// `notice_offset` (8-aligned) lies inside a region of `region_size` bytes,
+// without any sum that could wrap.
+Status CheckWriteBounds(uint64_t offset, uint64_t nbytes,
+                        uint64_t notice_offset, uint64_t region_size,
+                        const std::string& region_name);
 
 // "key=value\n" bodies.
 std::string EncodeFields(const std::map<std::string, std::string>& fields);

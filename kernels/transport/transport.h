@@ -37,6 +37,7 @@
 
 #include "kernels/engine/region.h"
 #include "kernels/engine/status.h"
+#include "kernels/engine/wait.h"
 
 namespace tf_rdma {
 
@@ -118,9 +119,12 @@ class Pair {
   virtual Status AddRemoteRegion(const RegionDescriptor& region,
                                  int* handle) = 0;
   // The one-sided write described above. Checks the bounds locally too.
+  // Returns DeadlineExceeded if the write cannot be handed over (tcp: the
+  // peer stopped reading) or completed (verbs) by `deadline`; a write cut
+  // off half-way leaves the pair broken().
   virtual Status Write(int handle, uint64_t offset, const void* src,
-                       uint64_t nbytes, uint64_t notice_offset,
-                       uint64_t seq) = 0;
+                       uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                       const Deadline& deadline) = 0;
   // Backends whose notices arrive as messages (verbs): a file descriptor the
   // progress thread watches, and the call that drains what arrived. Others:
   // -1, and nothing to drain.

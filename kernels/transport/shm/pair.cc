@@ -17,7 +17,8 @@ Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
 }
 
 Status Pair::Write(int handle, uint64_t offset, const void* src,
-                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq) {
+                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                   const Deadline& deadline) {
   Region* region;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -23,7 +23,8 @@ class Pair : public ::tf_rdma::Pair {
   const char* transport() const override { return "shm"; }
   Status AddRemoteRegion(const RegionDescriptor& region, int* handle) override;
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
-               uint64_t notice_offset, uint64_t seq) override;
+               uint64_t notice_offset, uint64_t seq,
+               const Deadline& deadline) override;
 
  private:
   std::mutex mu_;

@@ -11,7 +11,8 @@ Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
 }
 
 Status Pair::Write(int handle, uint64_t offset, const void* src,
-                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq) {
+                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                   const Deadline& deadline) {
   RegionDescriptor region;
   TF_RDMA_RETURN_IF_ERROR(
       regions_.Find(handle, offset, nbytes, notice_offset, &region));
@@ -28,23 +29,25 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   iov[1].iov_base = const_cast<void*>(src);
   iov[1].iov_len = nbytes;
   std::lock_guard<std::mutex> lock(*send_mu_);
-  return SendAllv(fd_, iov, nbytes > 0 ? 2 : 1);
+  if (broken_) return Unavailable("the connection broke off mid-frame");
+  size_t sent = 0;
+  Status s = SendAllv(fd_, iov, nbytes > 0 ? 2 : 1, deadline, &sent);
+  // Half a frame on the wire: the stream cannot carry another one.
+  if (!s.ok() && sent > 0) broken_ = true;
+  return s;
 }
 
 Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup) {
-  Region* region = lookup(static_cast<uint32_t>(h.a));
+  // Region ids are 32-bit: a larger value names no region (it must not be
+  // truncated into one).
+  Region* region =
+      h.a <= UINT32_MAX ? lookup(static_cast<uint32_t>(h.a)) : nullptr;
   if (region == nullptr) {
     return PermissionDenied("write to region id " + std::to_string(h.a) +
                             ", which this peer was never given");
   }
-  if (!region->Contains(h.b, h.c) || !region->Contains(h.d, 8) ||
-      h.d % 8 != 0) {
-    return InvalidArgument(
-        "write of " + std::to_string(h.c) + " bytes at offset " +
-        std::to_string(h.b) + " (notice at " + std::to_string(h.d) +
-        ") is outside region " + region->shm_name() + " of " +
-        std::to_string(region->size()) + " bytes; rejected");
-  }
+  TF_RDMA_RETURN_IF_ERROR(
+      CheckWriteBounds(h.b, h.c, h.d, region->size(), region->shm_name()));
   TF_RDMA_RETURN_IF_ERROR(RecvAll(fd, region->data() + h.b, h.c));
   PublishWord(region->Word(h.d), h.e);
   return Status::Ok();

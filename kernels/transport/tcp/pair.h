@@ -10,6 +10,7 @@
 #ifndef TF_RDMA_TRANSPORT_TCP_PAIR_H_
 #define TF_RDMA_TRANSPORT_TCP_PAIR_H_
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 
@@ -28,11 +29,14 @@ class Pair : public ::tf_rdma::Pair {
   const char* transport() const override { return "tcp"; }
   Status AddRemoteRegion(const RegionDescriptor& region, int* handle) override;
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
-               uint64_t notice_offset, uint64_t seq) override;
+               uint64_t notice_offset, uint64_t seq,
+               const Deadline& deadline) override;
+  bool broken() const override { return broken_; }
 
  private:
   int fd_;
   std::mutex* send_mu_;
+  std::atomic<bool> broken_{false};  // a frame was cut off by its deadline
   RemoteRegions regions_;
 };
 

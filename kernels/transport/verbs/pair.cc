@@ -357,7 +357,8 @@ Status Pair::Post(ibv_send_wr* wr, const Deadline& deadline) {
 }
 
 Status Pair::Write(int handle, uint64_t offset, const void* src,
-                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq) {
+                   uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                   const Deadline& deadline) {
   RegionDescriptor region;
   TF_RDMA_RETURN_IF_ERROR(
       remote_.Find(handle, offset, nbytes, notice_offset, &region));
@@ -367,7 +368,6 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
     return error_.ok() ? Unavailable("the verbs connection was closed")
                        : error_;
   }
-  Deadline deadline(context_->settings().timeout_ms);
   ibv_sge sge;
   ibv_send_wr wr;
   auto prepare = [&](uint64_t wr_id, ibv_wr_opcode opcode, const void* from,

@@ -59,7 +59,8 @@ class Pair : public VerbsPair {
                 RegionDescriptor* out) override;
   Status AddRemoteRegion(const RegionDescriptor& region, int* handle) override;
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
-               uint64_t notice_offset, uint64_t seq) override;
+               uint64_t notice_offset, uint64_t seq,
+               const Deadline& deadline) override;
   int notice_fd() const override;
   Status TakeNotices(std::vector<Notice>* out) override;
   void Close() override;
