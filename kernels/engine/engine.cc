@@ -223,7 +223,8 @@ std::string Printable(const std::string& text, size_t max = 80) {
 }
 
 Code CodeFromInt(uint64_t c) {
-  if (c > static_cast<uint64_t>(Code::kInternal)) return Code::kInternal;
+  constexpr auto kLast = static_cast<uint64_t>(Code::kResourceExhausted);
+  if (c > kLast) return Code::kInternal;
   return static_cast<Code>(c);
 }
 

@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -22,6 +23,25 @@ Status MapFd(int fd, uint64_t size, uint8_t** data) {
   if (p == MAP_FAILED) return ErrnoStatus("mmap", errno);
   *data = static_cast<uint8_t*>(p);
   return Status::Ok();
+}
+
+// The error for a /dev/shm that cannot hold `size` more bytes: what was
+// asked, what the file system has, and the two ways out.
+Status ShmFullStatus(uint64_t size) {
+  std::string have = "its size is unknown";
+  struct statvfs fs;
+  if (statvfs("/dev/shm", &fs) == 0) {
+    uint64_t total = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+    uint64_t avail = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+    have = "it has " + std::to_string(avail) + " of " +
+           std::to_string(total) + " bytes free";
+  }
+  return ResourceExhausted(
+      "/dev/shm cannot hold a shared-memory region of " +
+      std::to_string(size) + " bytes (" + have +
+      "). Give the container a larger /dev/shm (docker run --shm-size=1g, "
+      "or a Kubernetes emptyDir with medium: Memory on /dev/shm), or set "
+      "TF_RDMA_TRANSPORT=tcp to carry same-host pairs over tcp");
 }
 
 }  // namespace
@@ -74,6 +94,20 @@ Status Region::Create(uint64_t size, std::unique_ptr<Region>* out) {
     shm_unlink(name.c_str());
     close(fd);
     return ErrnoStatus("ftruncate(" + name + ", " + std::to_string(size) + ")",
+                       err);
+  }
+  // Reserve every page now. ftruncate only sets the size and MAP_POPULATE's
+  // failures are ignored, so on a full /dev/shm (Docker's default is 64 MiB)
+  // the first touch of an unbacked page would be a SIGBUS in the middle of a
+  // copy. posix_fallocate fails here instead, with ENOSPC.
+  int err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (err == EINTR) err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (err != 0) {
+    shm_unlink(name.c_str());
+    close(fd);
+    if (err == ENOSPC || err == EFBIG) return ShmFullStatus(size);
+    return ErrnoStatus("posix_fallocate(" + name + ", " +
+                           std::to_string(size) + ")",
                        err);
   }
   uint8_t* data = nullptr;

@@ -19,6 +19,7 @@ enum class Code {
   kFailedPrecondition, // used before set-up, or both ends disagree (plan hash)
   kPermissionDenied,   // the peer failed the secret handshake
   kInternal,           // a system call failed
+  kResourceExhausted,  // the host ran out of something (/dev/shm space)
 };
 
 class Status {
@@ -54,6 +55,9 @@ inline Status Unavailable(std::string m) {
 }
 inline Status FailedPrecondition(std::string m) {
   return Status(Code::kFailedPrecondition, std::move(m));
+}
+inline Status ResourceExhausted(std::string m) {
+  return Status(Code::kResourceExhausted, std::move(m));
 }
 inline Status PermissionDenied(std::string m) {
   return Status(Code::kPermissionDenied, std::move(m));

@@ -23,6 +23,8 @@ inline absl::Status ToTf(const Status& s) {
       return absl::PermissionDeniedError(s.message());
     case Code::kInternal:
       return absl::InternalError(s.message());
+    case Code::kResourceExhausted:
+      return absl::ResourceExhaustedError(s.message());
   }
   return absl::UnknownError(s.message());
 }
