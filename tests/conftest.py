@@ -24,8 +24,9 @@ if REPO not in sys.path:
 from tf_rdma import cluster as cluster_lib  # noqa: E402
 
 # Every task program starts with this: `task`, `cluster`, `start(**kw)` (starts
-# the endpoint), `result(obj)` (prints a JSON line the test reads back) and the
-# file-based `touch` / `wait_file` sync helpers are defined.
+# the endpoint), `result(obj)` (prints a JSON line the test reads back),
+# `error_of(fn)`, `segments_of(pid)` and the file-based `touch` / `wait_file`
+# sync helpers are defined.
 PRELUDE = """
 import json, os, sys, time
 import numpy as np
@@ -45,6 +46,20 @@ def touch(name, text="1"):
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.rename(path + ".tmp", path)
+# What an op or call raised, for the test to check (None when it succeeded).
+def error_of(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # reported, checked by the test
+        return {"type": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e), "elapsed_s": time.monotonic() - t0}
+    return None
+# This process's (or `pid`'s) tf_rdma segments in /dev/shm.
+def segments_of(pid=None):
+    prefix = "tfrdma.%d." % (os.getpid() if pid is None else pid)
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 def wait_file(name, timeout=60):
     path = os.path.join(SYNC_DIR, name)
     deadline = time.monotonic() + timeout
@@ -94,13 +109,17 @@ def base_env(extra=None):
     return env
 
 
-def spawn_task(task, program, cluster, env=None):
-    """Starts one task program (PRELUDE + program) in its own process group."""
+def spawn_task(task, program, cluster, env=None, prefix=()):
+    """Starts one task program (PRELUDE + program) in its own process group.
+
+    `prefix` goes before the Python command line (e.g. `nsenter ... --` to
+    run the task in another namespace); it must exec Python, not fork it.
+    """
     e = base_env(env)
     e["TEST_TASK"] = task
     e["TEST_CLUSTER"] = json.dumps(cluster)
     code = PRELUDE + textwrap.dedent(program)
-    return subprocess.Popen([sys.executable, "-c", code], env=e,
+    return subprocess.Popen([*prefix, sys.executable, "-c", code], env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

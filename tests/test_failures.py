@@ -31,20 +31,6 @@ PEER1 = "/job:worker/task:1"
 
 HELPERS = """
 import signal, threading
-
-def error_of(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # reported, checked by the test
-        return {"type": type(e).__name__,
-                "mro": [c.__name__ for c in type(e).__mro__],
-                "message": str(e), "elapsed_s": time.monotonic() - t0}
-    return None
-
-def my_segments():
-    prefix = "tfrdma.%d." % os.getpid()
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 """
 
 
@@ -86,7 +72,7 @@ else:
               for _ in range(RECEIVED_BEFORE_KILL)]
     pid0 = int(wait_file("pid0"))
     time.sleep(0.5)  # send_step_2 is now waiting for worker:0's credit
-    segments_while_running = my_segments()
+    segments_while_running = segments_of()
     os.kill(pid0, signal.SIGKILL)
     killed_at = time.monotonic()
     # Steps worker:0 completed before it died may still be delivered; the
@@ -117,7 +103,7 @@ else:
             "segments_while_running": segments_while_running,
             "dead_segments_before": dead_before,
             "dead_segments_after": dead_after, "collected": collected,
-            "own_segments_after_collect": my_segments()})
+            "own_segments_after_collect": segments_of()})
 """
 
 
@@ -239,7 +225,7 @@ if task == "worker:0":
     wait_file("mixed_done_1")
     result({"pid": os.getpid(), "recv_first": recv_first,
             "send_first_opened": opened, "send_first": send_first,
-            "segments_while_running": my_segments()})
+            "segments_while_running": segments_of()})
 else:
     clean_values = [tf_rdma.ops.recv(clean, "c").numpy().tolist()
                     for _ in range(3)]
@@ -266,7 +252,7 @@ else:
     p = plans["first_send_" + me]
     wait_file("send_first_opened")
     send_first = error_of(lambda: tf_rdma.ops.recv(p, "m", timeout=4))
-    segments = my_segments()
+    segments = segments_of()
     touch("mixed_done_1")
     result({"pid": os.getpid(), "clean": clean_values, "stalled": stalled,
             "timeouts": timeouts,

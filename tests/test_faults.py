@@ -34,19 +34,6 @@ pytestmark = pytest.mark.timeout(240)
 
 HELPERS = """
 import signal, threading
-
-def error_of(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # reported, checked by the test
-        return {"type": type(e).__name__, "message": str(e),
-                "elapsed_s": time.monotonic() - t0}
-    return None
-
-def segments_of(pid):
-    prefix = "tfrdma.%d." % pid
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 """
 
 

@@ -16,6 +16,8 @@ The report covers, in this order:
   RoCE GID stands for) and the device's maximum MR size.
 * **memlock**: ``RLIMIT_MEMLOCK`` (``ulimit -l``) against the bytes a plan
   needs to register (``--plan-bytes``).
+* **/dev/shm**: its size and free space against the same bytes: every
+  tf_rdma region is a ``/dev/shm`` segment, whatever the transport.
 * **transports**: which transport tf_rdma picks for each pair of tasks of a
   ClusterSpec (``--cluster`` or ``TF_CONFIG``), and why.
 * **self-test** (``--self-test``): on a machine with an active port, a
@@ -64,6 +66,7 @@ __all__ = [
     "dev_infiniband",
     "rdma_devices",
     "memlock",
+    "dev_shm",
     "engine_verbs_status",
     "transport_choice",
     "plan_transports",
@@ -76,7 +79,7 @@ __all__ = [
 ]
 
 #: Version of the JSON report's shape; bumped when a field changes meaning.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: The JSON Schema of the ``--json`` report, checked into the repository.
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_schema.json")
@@ -86,6 +89,7 @@ SELF_TEST_BYTES = 1 << 20
 
 SYS_CLASS_INFINIBAND = "/sys/class/infiniband"
 DEV_INFINIBAND = "/dev/infiniband"
+DEV_SHM = "/dev/shm"
 PROC_MODULES = "/proc/modules"
 SYS_MODULE = "/sys/module"
 
@@ -486,6 +490,60 @@ def memlock(plan_bytes=0):
                       "or run with CAP_IPC_LOCK")
     return {"soft": soft, "hard": hard, "soft_text": text(soft), "hard_text": text(hard),
             "plan_bytes": plan_bytes, "sufficient": sufficient, "advice": advice}
+
+
+# --------------------------------------------------------------------------- /dev/shm
+
+
+def dev_shm(plan_bytes=0, path=DEV_SHM):
+    """Compares the free space of ``/dev/shm`` with the bytes a plan needs.
+
+    Every region is a segment in ``/dev/shm`` whatever the transport, reserved
+    in full when it is created; a container's default (Docker: 64 MiB) holds
+    few plans. ``plan_bytes`` is the memlock check's figure, a fair
+    upper bound of what a task's regions take.
+
+    Args:
+        plan_bytes: Bytes the plans in use take (0: not checked).
+        path: The file system to look at (``/dev/shm``).
+
+    Returns:
+        A dict with ``path``, ``present``, ``total`` and ``free`` (bytes, None
+        when absent), ``tf_rdma_bytes`` and ``tf_rdma_segments`` (what
+        tf_rdma segments hold there now), ``plan_bytes``, ``sufficient``
+        (True, False, or None when not checked) and ``advice``.
+
+    Raises:
+        ConfigError: ``plan_bytes`` is not a non-negative integer.
+    """
+    if isinstance(plan_bytes, bool) or not isinstance(plan_bytes, int) or plan_bytes < 0:
+        raise ConfigError(f"plan_bytes={plan_bytes!r} is not a non-negative integer")
+    total = free = None
+    try:
+        fs = os.statvfs(path)
+        total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+    except OSError:
+        pass
+    segments, used = 0, 0
+    for name in (os.listdir(path) if total is not None else []):
+        if name.startswith("tfrdma."):
+            try:
+                used += os.stat(os.path.join(path, name)).st_blocks * 512
+                segments += 1
+            except OSError:
+                continue
+    sufficient = advice = None
+    if plan_bytes:
+        sufficient = free is not None and free >= plan_bytes
+        if not sufficient:
+            have = "is absent" if free is None else f"has {free} bytes free of {total}"
+            advice = (f"the plan needs {plan_bytes} bytes of shared memory but {path} {have}: "
+                      "give it more (docker run --shm-size=2g; Kubernetes: an emptyDir with "
+                      "medium: Memory mounted on /dev/shm); another transport does not help, "
+                      "every region lives there")
+    return {"path": path, "present": total is not None, "total": total, "free": free,
+            "tf_rdma_bytes": used, "tf_rdma_segments": segments, "plan_bytes": plan_bytes,
+            "sufficient": sufficient, "advice": advice}
 
 
 # --------------------------------------------------------------------------- transports
@@ -894,7 +952,8 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
     Args:
         cluster_json: ClusterSpec JSON for the transport choice (default TF_CONFIG).
         task: This task, for the transport choice.
-        plan_bytes: Bytes the plans in use register (0: memlock not checked).
+        plan_bytes: Bytes the plans in use register (0: memlock and /dev/shm
+            not checked).
         run_self_test: Run the loopback RDMA write self-test.
         env: The environment (default ``os.environ``).
         allow_dist_packages: Look for the distribution's pyverbs when
@@ -908,6 +967,7 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
     """
     env = os.environ if env is None else env
     mem = memlock(plan_bytes)
+    shm = dev_shm(plan_bytes)
     module, pv_info = find_pyverbs(allow_dist_packages)
     kernel = kernel_support()
     dev = dev_infiniband()
@@ -944,9 +1004,14 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
         "devices": devices,
         "device_error": dev_error,
         "memlock": mem,
+        "dev_shm": shm,
         "transports": transports,
         "self_test": test,
     }
+
+
+def _mib(n):
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def format_text(report):
@@ -1018,6 +1083,19 @@ def format_text(report):
         line += f"; enough for {m['plan_bytes']} bytes"
     else:
         line += f"; NOT enough: {m['advice']}"
+    out.append(line)
+    d = report["dev_shm"]
+    if not d["present"]:
+        line = f"{d['path']}: absent (tf_rdma cannot make regions)"
+    else:
+        line = (f"{d['path']}: {_mib(d['free'])} free of {_mib(d['total'])}; tf_rdma segments: "
+                f"{d['tf_rdma_segments']} ({_mib(d['tf_rdma_bytes'])})")
+    if d["sufficient"] is None:
+        line += "; plan size not checked (--plan-bytes)"
+    elif d["sufficient"]:
+        line += f"; enough for {d['plan_bytes']} bytes"
+    else:
+        line += f"; NOT enough: {d['advice']}"
     out.append(line)
     tr = report["transports"]
     out.append(f"transports (TF_RDMA_TRANSPORT={tr['setting']}):")
@@ -1138,7 +1216,7 @@ def add_arguments(parser):
                              "else every pair")
     parser.add_argument("--plan-bytes", metavar="N", default="0",
                         help="bytes the plans in use register, checked against ulimit -l "
-                             "(default 0: not checked)")
+                             "and the free space of /dev/shm (default 0: not checked)")
     parser.add_argument("--no-dist-packages", action="store_true",
                         help="do not look for the distribution's pyverbs when import pyverbs fails")
 

@@ -36,12 +36,15 @@ Status ShmFullStatus(uint64_t size) {
     have = "it has " + std::to_string(avail) + " of " +
            std::to_string(total) + " bytes free";
   }
+  // Every region is a /dev/shm segment whatever the pair's transport
+  // (region.h), so only more space helps, not another transport.
   return ResourceExhausted(
       "/dev/shm cannot hold a shared-memory region of " +
       std::to_string(size) + " bytes (" + have +
-      "). Give the container a larger /dev/shm (docker run --shm-size=1g, "
-      "or a Kubernetes emptyDir with medium: Memory on /dev/shm), or set "
-      "TF_RDMA_TRANSPORT=tcp to carry same-host pairs over tcp");
+      "); every tf_rdma region lives in /dev/shm, whatever the transport. "
+      "Give the container a larger /dev/shm (docker run --shm-size=2g; "
+      "Kubernetes: an emptyDir with medium: Memory mounted on /dev/shm); "
+      "`tf-rdma doctor --plan-bytes N` compares it with a plan's bytes");
 }
 
 }  // namespace
