@@ -9,6 +9,8 @@ No test can hang: a timeout kills the whole process group.
 
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,3 +290,52 @@ def stop_servers(procs):
             _, err = p.communicate()
         out.append((p.returncode, err))
     return out
+
+
+# ---------------------------------------------------------------------------
+# Two "hosts" on one machine: network namespaces joined by a veth pair, each
+# with an address from TEST-NET-1 (192.0.2.0/24, the documentation range,
+# used only inside these namespaces). A task runs in one with
+# spawn_task(..., prefix=[IP, "netns", "exec", ns]).
+
+IP = shutil.which("ip") or "/usr/sbin/ip"
+ADDR_A, ADDR_B = "192.0.2.1", "192.0.2.2"
+
+
+def ip(*args, check=True):
+    r = subprocess.run([IP, *args], capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({r.returncode}): "
+                           f"{r.stderr.strip()}")
+    return r
+
+
+@pytest.fixture
+def two_hosts():
+    """Yields ((netns, veth, address) of host a, same of host b)."""
+    if not os.path.exists(IP):
+        pytest.skip(f"no `ip` command (looked for {IP}); install iproute2")
+    tag = f"{os.getpid() % 100000}{random.randrange(16**4):04x}"
+    ns_a, ns_b = f"tfrdma-a-{tag}", f"tfrdma-b-{tag}"
+    veth_a, veth_b = f"tfa{tag}"[:15], f"tfb{tag}"[:15]
+    r = ip("netns", "add", ns_a, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here (`ip netns add` "
+                    f"failed as uid {os.getuid()}: {r.stderr.strip()})")
+    created = [ns_a]
+    try:
+        ip("netns", "add", ns_b)
+        created.append(ns_b)
+        r = ip("link", "add", veth_a, "netns", ns_a, "type", "veth", "peer",
+               "name", veth_b, "netns", ns_b, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot create a veth pair between namespaces: "
+                        f"{r.stderr.strip()}")
+        for ns, dev, addr in ((ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield (ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)
+    finally:
+        for ns in created:  # removes the veth ends inside them too
+            ip("netns", "del", ns, check=False)

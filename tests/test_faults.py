@@ -21,7 +21,6 @@ Regression tests for issue 13's findings, each a scenario of real processes:
   for the healthy worker:0.
 """
 
-import json
 import os
 import signal
 import time

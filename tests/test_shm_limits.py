@@ -113,6 +113,7 @@ def _assert_shm_full(error, task):
     assert error is not None, f"{task}: expected an error, the op succeeded"
     assert error["type"] == "ResourceExhaustedError", (task, error)
     message = error["message"]
+    assert "region '" in message, (task, error)  # which region did not fit
     assert "/dev/shm cannot hold a shared-memory region of" in message, (task, error)
     assert "free" in message and "--shm-size" in message, (task, error)
 

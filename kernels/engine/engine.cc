@@ -1621,7 +1621,8 @@ Status Engine::NewLocalRegion(const std::string& name, uint64_t size,
                               const std::string& peer, LocalRegion** out) {
   // Caller holds mu_.
   std::unique_ptr<Region> memory;
-  TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory));
+  TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory).Prefixed(
+      "region '" + Printable(name) + "' for " + peer));
   auto region = std::make_unique<LocalRegion>();
   region->id = static_cast<uint32_t>(regions_.size());
   region->name = name;
