@@ -357,7 +357,7 @@ def _tf_rdma_missing():
     """Why tf_rdma's collectives cannot run here, or None."""
     try:
         import importlib.util
-        import tf_rdma  # noqa: F401 -- loads the op library (and TF)
+        import tf_rdma.ops  # noqa: F401 -- loads the op library (and TF)
         spec = importlib.util.find_spec("tf_rdma.collectives")
     except Exception as err:  # noqa: BLE001 -- reported as the reason
         return f"import tf_rdma failed: {type(err).__name__}: {err}"

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-import tf_rdma  # noqa: F401  (registers TfRdmaSend / TfRdmaRecv for import)
+import tf_rdma.ops  # noqa: F401  (registers TfRdmaSend / TfRdmaRecv for import)
 from tf_rdma.errors import PlanError
 from tf_rdma.graph_passes import rewrite as rw
 from tf_rdma.graph_passes.graph import GraphView, parse_input, task_of

@@ -19,7 +19,7 @@ import tf_rdma  # noqa: E402
 from tf_rdma import _loader  # noqa: E402
 from tf_rdma.errors import LibraryError  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def copy_package(tmp_path, with_library=True, built_for=None):
@@ -34,11 +34,41 @@ def copy_package(tmp_path, with_library=True, built_for=None):
     return tmp_path
 
 
-def import_in_subprocess(path):
+def run_in_subprocess(path, code="import tf_rdma.ops"):
     env = dict(os.environ, PYTHONPATH=str(path), TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, "-c", "import tf_rdma"], env=env,
-                          capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=150,
                           cwd=str(path))
+
+
+# What must start without TensorFlow: the package, the graph passes, the
+# settings and the tools that do not run ops.
+LIGHT_IMPORTS = """
+import sys
+import tf_rdma, tf_rdma.errors, tf_rdma.cluster, tf_rdma.settings
+import tf_rdma.graph_passes.plan, tf_rdma.launch, tf_rdma.doctor, tf_rdma.cli
+plan = tf_rdma.Plan([tf_rdma.Transfer("x", "/job:w/task:0", "/job:w/task:1", "float32", [4])])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras"))
+print("LOADED", loaded)
+"""
+
+
+def test_import_tf_rdma_loads_neither_tensorflow_nor_the_library(tmp_path):
+    # With the library removed, so that loading it would fail loudly.
+    proc = run_in_subprocess(copy_package(tmp_path, with_library=False), LIGHT_IMPORTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED []" in proc.stdout, proc.stdout
+
+
+def test_doctor_reports_a_library_that_does_not_load(tmp_path):
+    proc = run_in_subprocess(
+        copy_package(tmp_path, built_for="2.99.0"),
+        "import json; from tf_rdma import doctor; print(json.dumps(doctor.op_library()))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entry = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert entry["present"] and not entry["loads"], entry
+    assert entry["built_for"] == "2.99.0" and entry["tensorflow"] == tf.__version__
+    assert "built against TensorFlow 2.99.0" in entry["error"], entry
 
 
 def test_import_registers_ops_and_records_version():
@@ -49,7 +79,7 @@ def test_import_registers_ops_and_records_version():
 
 
 def test_library_built_for_another_tensorflow(tmp_path):
-    proc = import_in_subprocess(copy_package(tmp_path, built_for="2.99.0"))
+    proc = run_in_subprocess(copy_package(tmp_path, built_for="2.99.0"))
     assert proc.returncode != 0
     assert "LibraryError" in proc.stderr
     assert "built against TensorFlow 2.99.0" in proc.stderr
@@ -58,7 +88,7 @@ def test_library_built_for_another_tensorflow(tmp_path):
 
 
 def test_missing_library(tmp_path):
-    proc = import_in_subprocess(copy_package(tmp_path, with_library=False))
+    proc = run_in_subprocess(copy_package(tmp_path, with_library=False))
     assert proc.returncode != 0
     assert "op library is missing" in proc.stderr
     assert "pip install --no-build-isolation" in proc.stderr

@@ -1,7 +1,11 @@
 """tf_rdma: cheap cross-task tensor traffic for TensorFlow 2.
 
-Importing tf_rdma loads its op library into TensorFlow (once) and checks
-that it was built for the installed TensorFlow.
+Importing tf_rdma is cheap: it loads neither TensorFlow nor the op library,
+so the `tf-rdma` tools (launch, doctor, simulate) and the graph passes start
+without them. The op library is loaded into TensorFlow, once, and checked
+against the installed TensorFlow, when the first name that needs it is used
+(``tf_rdma.ops``, ``tf_rdma.rewrite``, an endpoint, the collectives, the
+strategy).
 
 Main entry points:
     tf_rdma.Server          a TensorFlow task with a tf_rdma endpoint
@@ -15,24 +19,35 @@ Main entry points:
 
 import importlib
 
-from tf_rdma import _loader
-
-_loader.load()
-
-from tf_rdma import errors, ops  # noqa: E402
-from tf_rdma.decorator import RewrittenFunction, rewrite  # noqa: E402
-from tf_rdma.graph_passes.plan import Plan, Transfer  # noqa: E402
+from tf_rdma import errors
 
 __version__ = "0.1.0"
 
-# tf_rdma.server is imported on first use, so that `python -m tf_rdma.server`
-# runs it as __main__ without a second copy in sys.modules.
-_SERVER_NAMES = ("Endpoint", "Server", "endpoint_info", "start_endpoint")
+# Each public name and the module that defines it, imported on first use.
+# (tf_rdma.server this way also lets `python -m tf_rdma.server` run it as
+# __main__ without a second copy in sys.modules.)
+_LAZY = {
+    "Plan": "tf_rdma.graph_passes.plan",
+    "Transfer": "tf_rdma.graph_passes.plan",
+    "RewrittenFunction": "tf_rdma.decorator",
+    "rewrite": "tf_rdma.decorator",
+    "Endpoint": "tf_rdma.server",
+    "Server": "tf_rdma.server",
+    "endpoint_info": "tf_rdma.server",
+    "start_endpoint": "tf_rdma.server",
+}
+_LAZY_MODULES = ("ops", "collectives", "distribute")
 
-__all__ = ["Plan", "RewrittenFunction", "Transfer", "errors", "ops", "rewrite"] + list(_SERVER_NAMES)
+__all__ = ["errors", *_LAZY_MODULES, *_LAZY]
 
 
 def __getattr__(name):
-    if name in _SERVER_NAMES:
-        return getattr(importlib.import_module("tf_rdma.server"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"tf_rdma.{name}")
     raise AttributeError(f"module 'tf_rdma' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

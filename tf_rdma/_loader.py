@@ -46,7 +46,8 @@ def check_tensorflow_version(version):
             f"(pip install -U tensorflow-cpu) and {_REBUILD}")
 
 
-def _built_for(path):
+def built_for(path):
+    """The TensorFlow version the library at `path` was built for (None: unknown)."""
     info = os.path.join(os.path.dirname(path), "_build_info.json")
     try:
         with open(info) as f:
@@ -84,7 +85,7 @@ def load():
                 f"tf_rdma's op library is missing (expected {path}); the "
                 f"package was installed without building it. {_REBUILD[0].upper()}"
                 f"{_REBUILD[1:]}. A C++17 compiler (g++) is needed.")
-        built = _built_for(path)
+        built = built_for(path)
         if built is not None and built != tf.__version__:
             raise LibraryError(
                 f"tf_rdma's op library was built against TensorFlow {built}, "

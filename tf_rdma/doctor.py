@@ -2,6 +2,9 @@
 
 The report covers, in this order:
 
+* **op library**: whether tf_rdma's op library is there and loads into the
+  installed TensorFlow (``import tf_rdma`` does not load it, so the doctor
+  runs, and says so, when it is missing or built for another TensorFlow).
 * **pyverbs**: whether it imports and from where. When ``import pyverbs``
   fails in this environment, the doctor looks for the distribution's package
   (Debian/Ubuntu ``python3-pyverbs``) in the system ``dist-packages``
@@ -61,6 +64,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "SCHEMA_PATH",
     "SELF_TEST_BYTES",
+    "op_library",
     "find_pyverbs",
     "kernel_support",
     "dev_infiniband",
@@ -450,6 +454,36 @@ def rdma_devices(pyverbs, sys_class=SYS_CLASS_INFINIBAND):
 def _usable_ports(devices):
     return [(d, p) for d in devices if not d.get("error") for p in d["ports"]
             if p["state"] in ("ACTIVE", "ACTIVE_DEFER")]
+
+
+# --------------------------------------------------------------------------- op library
+
+
+def op_library():
+    """Says whether the op library is present and loads into TensorFlow.
+
+    Returns:
+        A dict with ``path``, ``present``, ``built_for`` (the TensorFlow
+        version recorded at build time, or None), ``tensorflow`` (the
+        installed version, or None when it does not import), ``loads`` and
+        ``error`` (what went wrong and what to run, else None).
+    """
+    from tf_rdma import _loader  # pylint: disable=import-outside-toplevel
+
+    path = _loader.library_path()
+    entry = {"path": path, "present": os.path.exists(path),
+             "built_for": _loader.built_for(path), "tensorflow": None,
+             "loads": False, "error": None}
+    try:
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        entry["tensorflow"] = tf.__version__
+        _loader.load()
+        entry["loads"] = True
+    except LibraryError as err:
+        entry["error"] = str(err)
+    except ImportError as err:
+        entry["error"] = f"TensorFlow does not import: {err}"
+    return entry
 
 
 # --------------------------------------------------------------------------- memlock
@@ -966,6 +1000,7 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
         ConfigError: An argument or setting has a value the doctor cannot use.
     """
     env = os.environ if env is None else env
+    library = op_library()
     mem = memlock(plan_bytes)
     shm = dev_shm(plan_bytes)
     module, pv_info = find_pyverbs(allow_dist_packages)
@@ -998,6 +1033,7 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
                  "python": sys.executable, "python_version": platform.python_version()},
         "rdma": {"usable": bool(usable), "reason": reason,
                  "device_count": len(devices), "active_ports": len(usable)},
+        "op_library": library,
         "pyverbs": pv_info,
         "kernel": kernel,
         "dev_infiniband": dev,
@@ -1033,6 +1069,11 @@ def format_text(report):
                    f"incomplete: {rdma['reason']}")
     else:
         out.append(f"RDMA: no RDMA devices usable here: {rdma['reason']}")
+    lib = report["op_library"]
+    if lib["loads"]:
+        out.append(f"op library: loads into TensorFlow {lib['tensorflow']} ({lib['path']})")
+    else:
+        out.append(f"op library: DOES NOT LOAD: {lib['error']}")
     pv = report["pyverbs"]
     if pv["importable"]:
         out.append(f"pyverbs: imports from {pv['path']} ({pv['source']}"

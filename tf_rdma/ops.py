@@ -33,6 +33,10 @@ from tf_rdma.errors import PlanError
 
 __all__ = ["send", "recv", "raw_ops"]
 
+# The ops are registered with TensorFlow as soon as anything may use them,
+# including graphs that name them (a rewritten function's GraphDef).
+_loader.load()
+
 
 def raw_ops():
     """Returns the generated op module (TfRdmaSend → ``tf_rdma_send``, ...)."""
