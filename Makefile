@@ -10,13 +10,14 @@ DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.tf_rdma-built
 SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: all install demo test bench bench-deps system-packages clean help fuzz
+.PHONY: all install demo test test-fast bench bench-deps system-packages clean help fuzz
 
 all: install
 
 help:
 	@echo "make demo     set up, train the PS example (gRPC vs @tf_rdma.rewrite), then Keras on 2 workers (RdmaStrategy vs MWMS)"
 	@echo "make test     set up and run the test suite"
+	@echo "make test-fast  only the in-process tests (passes, plan, settings, cost model; < 2 min)"
 	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
 	@echo "make install  set up .venv and build the op library"
 	@echo "make fuzz     fuzz the wire parsers and slot checks (libFuzzer with clang, installed if it can be; else a g++ driver); FUZZ_SECONDS=60"
@@ -81,6 +82,11 @@ demo: install
 
 test: install
 	$(VPY) -m pytest -q
+
+# The edit-test loop: the graph passes, the plan, settings, cluster specs, the
+# cost model and single-process op paths (tests marked `fast`), under 2 min.
+test-fast: install
+	$(VPY) -m pytest -q -m fast
 
 # The collective benchmarks compare against Open MPI through mpi4py: installed
 # here (not for `make test`); bench/allreduce.py skips MPI with the reason if

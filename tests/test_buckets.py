@@ -10,6 +10,8 @@ from tf_rdma.errors import PlanError
 from tf_rdma.graph_passes import buckets as bl
 from tf_rdma.graph_passes.buckets import BucketPlan, Gradient
 
+pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
+
 
 def G(key, shape, dtype="float32"):
     return Gradient(key, dtype, shape)

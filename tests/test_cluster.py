@@ -11,7 +11,7 @@ from tf_rdma import cluster as C
 from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import plan as plan_lib
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 REPO = Path(__file__).resolve().parent.parent
 

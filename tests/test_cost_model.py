@@ -30,6 +30,8 @@ from conftest import base_env
 from tf_rdma.collectives import cost
 from tf_rdma.collectives import simulate as sim
 
+pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
 P0 = cost.Params(alpha=20e-6, beta=1 / 4e9, gamma=1 / 3e9)  # δ = β

@@ -18,6 +18,8 @@ from tf_rdma.graph_passes.graph import GraphView, parse_input, task_of
 from tf_rdma.graph_passes.transfers import (
     CONTROL, DYNAMIC, KEPT, STATIC)
 
+pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
+
 W0 = "/job:worker/task:0"
 W1 = "/job:worker/task:1"
 W2 = "/job:worker/task:2"

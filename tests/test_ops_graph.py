@@ -13,7 +13,7 @@ import tf_rdma
 W0 = "/job:worker/task:0"
 W1 = "/job:worker/task:1"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 
 def plan(name):

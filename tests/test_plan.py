@@ -13,6 +13,8 @@ from tf_rdma.graph_passes import plan as plan_lib
 from tf_rdma.graph_passes.plan import (DYNAMIC_META_BYTES, SLOT_HEADER_BYTES, Plan,
                                       Transfer)
 
+pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
+
 W0 = "/job:worker/task:0"
 W1 = "/job:worker/task:1"
 PS0 = "/job:ps/task:0"

@@ -8,6 +8,8 @@ import pytest
 from tf_rdma import settings
 from tf_rdma.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
