@@ -147,7 +147,7 @@ constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 constexpr size_t kMaxLine = 4096;
 // How long a send whose connection was lost tries to dial the peer again.
 constexpr int64_t kRedialMs = 1000;
-// Regions one connection's OPENs may create: each holds a file descriptor,
+// Regions one writer task's OPENs may create (over all its connections): each
 // so at most a quarter of the process's descriptors, and at most this many.
 constexpr int kMaxRegionsPerPeer = 1024;
 constexpr int kHandshakeTimeoutMs = 10000;
@@ -1731,7 +1731,7 @@ bool NameBelongsTo(const std::string& name, const std::string& writer,
 
 // OPEN: a writer asks for its region here. Bounded on purpose, since the
 // writer chooses the name and the size: the name must be its own (above);
-// each connection may create at most kMaxRegionsPerPeer regions; the size
+// each writer task may create at most kMaxRegionsPerPeer regions; the size
 // is reserved in /dev/shm when the region is created (Region::Create), so
 // asking for more than there is fails with an error instead of a SIGBUS
 // later; and a region keeps the writer that first opened it (a second live
