@@ -147,8 +147,9 @@ constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 constexpr size_t kMaxLine = 4096;
 // How long a send whose connection was lost tries to dial the peer again.
 constexpr int64_t kRedialMs = 1000;
-// Regions one writer task's OPENs may create (over all its connections): each
-// so at most a quarter of the process's descriptors, and at most this many.
+// Regions one writer task's OPENs may create, over all its connections: each
+// holds a file descriptor, so at most a quarter of the process's descriptors,
+// and at most this many.
 constexpr int kMaxRegionsPerPeer = 1024;
 constexpr int kHandshakeTimeoutMs = 10000;
 
