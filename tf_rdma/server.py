@@ -74,8 +74,9 @@ def endpoint_running():
 def endpoint_info():
     """Returns the running endpoint's state as a dict ("pair" lists connections).
 
-    Keys: task, listen_port, transport, verbs (the RDMA device, or
-    "unusable: <why>"), pair (list of "a -> b transport"), region (list of
+    Keys: task, listen_port, transport, refused_connections (connections
+    closed before or during their handshake: over a limit, denied),
+    verbs (the RDMA device, or "unusable: <why>"), pair (list of "a -> b transport"), region (list of
     "name segment bytes").
     """
     c = _loader.load().c

@@ -49,7 +49,6 @@ struct Connection {
   std::set<uint64_t> outstanding;  // requests waiting for their reply
   std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
   std::set<uint32_t> peer_writable;  // our region ids this peer may write
-  int regions_created = 0;           // by this peer's OPEN requests
 
   ~Connection() {
     pair.reset();
@@ -148,8 +147,9 @@ constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 constexpr size_t kMaxLine = 4096;
 // How long a send whose connection was lost tries to dial the peer again.
 constexpr int64_t kRedialMs = 1000;
-// Regions one connection's OPENs may create: each holds a file descriptor,
-// so at most a quarter of the process's descriptors, and at most this many.
+// Regions one writer task's OPENs may create, over all its connections: each
+// holds a file descriptor, so at most a quarter of the process's descriptors,
+// and at most this many.
 constexpr int kMaxRegionsPerPeer = 1024;
 constexpr int kHandshakeTimeoutMs = 10000;
 
@@ -705,6 +705,9 @@ std::string Engine::Info() {
   std::string out = "task=" + config_.task + "\n";
   out += "listen_port=" + std::to_string(listen_port_) + "\n";
   out += "transport=" + config_.transport + "\n";
+  // Connections closed before or during their handshake (limits, denials).
+  out += "refused_connections=" + std::to_string(refused_connections_.load()) +
+         "\n";
   out += "verbs=" + (verbs_ ? verbs_->Describe()
                             : "unusable: " + verbs_unusable_) + "\n";
   for (const auto& conn : connections_) {
@@ -870,7 +873,25 @@ std::string HostOf(const std::string& address) {
 
 }  // namespace
 
-void Engine::LogLimited(const std::string& line) {
+void Engine::LogLimited(const std::string& raw) {
+  // Every caller escapes the peer's text it quotes; this is the backstop for
+  // text that reaches here through a status message (a field ParseOpenRequest
+  // quotes, say): no control or non-ASCII byte reaches the log, and no line
+  // is longer than kMaxLoggedChars.
+  constexpr size_t kMaxLoggedChars = 600;
+  std::string line;
+  size_t i = 0;
+  for (; i < raw.size() && line.size() < kMaxLoggedChars; ++i) {
+    unsigned char c = static_cast<unsigned char>(raw[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      line.push_back(static_cast<char>(c));
+    } else {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      line += esc;
+    }
+  }
+  if (i < raw.size()) line += "... (cut)";
   std::lock_guard<std::mutex> lock(limited_mu_);
   Clock::time_point now = Clock::now();
   if (now - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
@@ -1644,13 +1665,16 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
     LocalRegion* r = it->second;
     Status mismatch;
     if (r->plan_hash != plan_hash) {
+      // The name and hash may come from a peer's OPEN: escaped and cut
+      // (they end up in the log and in refusals).
       mismatch = FailedPrecondition(
-          "plan hash mismatch for region '" + name + "': one side has plan " +
-          r->plan_hash + ", the other has plan " + plan_hash +
+          "plan hash mismatch for region '" + Printable(name) +
+          "': one side has plan " + Printable(r->plan_hash, 64) +
+          ", the other has plan " + Printable(plan_hash, 64) +
           " (both tasks must run the same plan)");
     } else if (r->memory->size() != size || r->peer != writer) {
       mismatch = FailedPrecondition(
-          "region '" + name + "' was set up with " +
+          "region '" + Printable(name) + "' was set up with " +
           std::to_string(r->memory->size()) + " bytes written by " + r->peer +
           ", now asked for " + std::to_string(size) + " bytes written by " +
           writer);
@@ -1709,7 +1733,7 @@ bool NameBelongsTo(const std::string& name, const std::string& writer,
 
 // OPEN: a writer asks for its region here. Bounded on purpose, since the
 // writer chooses the name and the size: the name must be its own (above);
-// each connection may create at most kMaxRegionsPerPeer regions; the size
+// each writer task may create at most kMaxRegionsPerPeer regions; the size
 // is reserved in /dev/shm when the region is created (Region::Create), so
 // asking for more than there is fails with an error instead of a SIGBUS
 // later; and a region keeps the writer that first opened it (a second live
@@ -1735,11 +1759,14 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     bool exists = data_regions_.count(name) > 0;
-    if (!exists && conn->regions_created >= max_regions_per_peer_) {
+    // Counted per writer task, not per connection: regions outlive their
+    // connection, so a count that restarted with each connection let a
+    // peer that reconnects create regions (fds, /dev/shm) without end.
+    int& created = regions_opened_by_[conn->peer];
+    if (!exists && created >= max_regions_per_peer_) {
       s = FailedPrecondition(
-          conn->peer + " has already opened " +
-          std::to_string(conn->regions_created) +
-          " regions on this connection, the most allowed (a quarter of the "
+          conn->peer + " has already opened " + std::to_string(created) +
+          " regions on this endpoint, the most allowed (a quarter of the "
           "process's file descriptor limit, at most " +
           std::to_string(kMaxRegionsPerPeer) + ")");
     }
@@ -1747,7 +1774,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
       s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
                                  &region);
     }
-    if (s.ok() && !exists) ++conn->regions_created;
+    if (s.ok() && !exists) ++created;
     // The writer refuses to go on with this region (it saw this process
     // restart; see "Restarted peers"): ops waiting on it fail with why.
     if (s.ok() && !request.refusal.empty() && region->refusal.empty()) {
@@ -1758,7 +1785,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     }
     if (s.ok() && region->writer && region->writer != conn &&
         !region->writer->gone.load()) {
-      s = FailedPrecondition("region '" + name +
+      s = FailedPrecondition("region '" + Printable(name) +
                              "' already has a connected writer");
     }
     if (s.ok() && region->writer != conn) {

@@ -380,6 +380,9 @@ class Engine {
   // for all the slots they hold, however many of those bind at the same time.
   std::map<std::string, std::unique_ptr<SendRegion>> send_regions_;
   std::map<std::string, std::unique_ptr<RecvSlot>> recv_slots_;
+  // Regions each writer task's OPENs created (under mu_): the limit is per
+  // task, for the life of the process, since regions are never freed.
+  std::map<std::string, int> regions_opened_by_;
 
   // Handshakes in progress, in all and by source address.
   std::mutex handshake_mu_;
