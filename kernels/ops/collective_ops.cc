@@ -23,6 +23,13 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+// The dtypes a collective takes: the planned transfers' (send_recv_ops.cc)
+// but bool, which has no sum. tf_rdma/collectives checks the same list
+// (tests/test_constants.py holds the copies together).
+#define TF_RDMA_COLLECTIVE_TYPES                                           \
+  "{half, bfloat16, float, double, int8, int16, int32, int64, uint8, "     \
+  "uint16, uint32, uint64, complex64, complex128}"
+
 namespace tf_rdma {
 namespace {
 
@@ -37,9 +44,7 @@ using tensorflow::shape_inference::InferenceContext;
 REGISTER_OP("TfRdmaCollective")
     .Input("inputs: N * T")
     .Output("outputs: N * T")
-    .Attr(
-        "T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, "
-        "uint16, uint32, uint64, complex64, complex128}")
+    .Attr("T: " TF_RDMA_COLLECTIVE_TYPES)
     .Attr("N: int >= 1")
     .Attr("kind: {'allreduce', 'broadcast', 'reduce', 'allgather'}")
     .Attr("reduction: {'sum', 'mean', 'min', 'max', 'prod'} = 'sum'")
@@ -440,9 +445,7 @@ REGISTER_KERNEL_BUILDER(Name("TfRdmaCollective").Device(tensorflow::DEVICE_CPU),
 REGISTER_OP("TfRdmaAllGatherV")
     .Input("input: T")
     .Output("output: T")
-    .Attr(
-        "T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, "
-        "uint16, uint32, uint64, complex64, complex128}")
+    .Attr("T: " TF_RDMA_COLLECTIVE_TYPES)
     .Attr("algorithm: {'lp', 'ring', 'tree', 'rhd'}")
     .Attr("group: list(string)")
     .Attr("rank: int >= 0")

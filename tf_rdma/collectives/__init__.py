@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from tf_rdma import _loader, cluster as cluster_lib, ops
 from tf_rdma.errors import CollectiveError, EndpointError
+from tf_rdma.graph_passes.plan import DTYPE_SIZES
 
 __all__ = ["KINDS", "ALGORITHMS", "REDUCTIONS", "Group", "default_group",
            "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_v",
@@ -55,9 +56,8 @@ ALGORITHMS = ("lp", "ring", "tree", "rhd")
 REDUCTIONS = ("sum", "mean", "min", "max", "prod")
 DEFAULT_DEPTH = 4
 
-_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16",
-           "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-           "complex64", "complex128")
+# A planned transfer's dtypes but bool, which has no sum (the op's T attr).
+_DTYPES = tuple(d for d in DTYPE_SIZES if d != "bool")
 
 
 class Group:
