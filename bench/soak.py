@@ -41,17 +41,21 @@ check can fail (tests/test_soak.py).
 
 Every ``--sample-every`` steps the client samples, for each task and for
 itself, the resident set (``VmRSS`` in ``/proc/<pid>/status``), the open
-file descriptors (``/proc/<pid>/fd``), the threads (``Threads``) and the
-``/dev/shm`` segments the task owns (``tfrdma.<pid>.*``: count, bytes). The
-servers run on this host, so ``/proc/<pid>`` of a task is what the task
-would read as ``/proc/self``.
+file descriptors (``/proc/<pid>/fd``), the threads (``Threads``, and their
+names from ``/proc/<pid>/task/*/comm``, so that a change says which pool
+moved) and the ``/dev/shm`` segments the task owns (``tfrdma.<pid>.*``:
+count, bytes). The servers run on this host, so ``/proc/<pid>`` of a task
+is what the task would read as ``/proc/self``.
 
 Pass criteria (printed, and the exit status), for each task, from the first
 sample at or after the warm-up (default: the first 10% of the steps, and at
 least one period of the dynamic sizes) to the last: 0 mismatches; RSS growth
-below ``--max-rss-growth`` percent (default 1); threads, segments and
-segment bytes equal to their post-warm-up values at every later sample; fds
-within ``--fd-slack`` (default 1) of theirs. The client's numbers are
+below ``--max-rss-growth`` percent (default 1); segments and segment bytes
+equal to their post-warm-up values at every later sample; fds within
+``--fd-slack`` (default 1) of theirs; threads equal too, except gRPC's
+EventEngine pool (``event_engine``), which grows and shrinks with the
+machine's load by design and may move by ``--elastic-thread-slack``
+(default 4). The client's numbers are
 recorded and plotted but not judged: its process is TensorFlow's eager
 client, not tf_rdma's data path. A corrupted allreduce input is seen by
 both ranks, so it counts as two mismatches.
@@ -113,6 +117,13 @@ DEFAULT_SAMPLE_EVERY = 1000
 DEFAULT_WARMUP_FRACTION = 0.10
 DEFAULT_MAX_RSS_GROWTH_PCT = 1.0
 DEFAULT_FD_SLACK = 1
+#: Thread names of pools that grow and shrink with load by design, judged
+#: with a slack instead of exactly: gRPC's EventEngine work-stealing pool
+#: (its "lifeguard" thread adds a worker when all are busy for a while and
+#: lets extra workers go when idle). Seen: 4 -> 5 on a task while other
+#: work loaded the machine.
+ELASTIC_THREAD_NAMES = ("event_engine",)
+DEFAULT_ELASTIC_THREAD_SLACK = 4
 DEFAULT_OP_TIMEOUT_S = 60
 SERVER_START_TIMEOUT_S = 180
 ENDPOINT_PORT_OFFSET = 1000  # tf_rdma.cluster.DEFAULT_PORT_OFFSET (not imported: it loads TF)
@@ -129,17 +140,21 @@ def log(message):
 # =========================================================================
 
 
-def build_step_function(tf, corruptions, op_timeout):
-    """Returns ``(plain_fn, rewritten_fn)`` of one soak step.
+def build_step_function(tf, corruptions, op_timeout, path="rewrite"):
+    """Returns the function of one soak step.
 
     Args:
       tf: The tensorflow module.
       corruptions: ``{edge: step}``: the sending task changes one word of
         that edge's tensor at that step, after computing its checksum.
       op_timeout: Seconds a tf_rdma op may wait.
+      path: "rewrite" (the function under ``tf_rdma.rewrite``) or "grpc"
+        (the plain ``tf.function``: TensorFlow moves the edges; the
+        allreduce is still tf_rdma's). "grpc" is the reference that tells
+        TensorFlow's own growth from tf_rdma's.
 
     Returns:
-      The rewritten function. Called with an int64 scalar step, it returns
+      The function. Called with an int64 scalar step, it returns
       ``(flags_w0, flags_w1)``: int32 vectors, 1 where a tensor failed its
       check, in the order of :func:`flag_layout`.
     """
@@ -239,6 +254,8 @@ def build_step_function(tf, corruptions, op_timeout):
             flags_w0 = tf.stack([back_bad, ar0_bad])
         return flags_w0, flags_w1
 
+    if path == "grpc":
+        return tf.function(step_fn)
     return tf_rdma.rewrite(tf.function(step_fn), timeout=op_timeout,
                            name="soak")
 
@@ -282,13 +299,31 @@ def shm_usage(pid):
     return count, used
 
 
+def thread_names(pid):
+    """{thread name: count} of a process (/proc/<pid>/task/*/comm).
+
+    When the thread count moves, this says which pool moved: TensorFlow's
+    (``tf_Compute``...), gRPC's (``event_engine``...) or an unnamed thread
+    (``python``: the process's own name, which tf_rdma's threads keep).
+    """
+    names = collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return dict(sorted(names.items()))
+
+
 def sample_process(pid):
-    """One sample of a process: rss, fds, threads, shm segments and bytes."""
+    """One sample of a process: rss, fds, threads (and their names), shm segments and bytes."""
     rss, threads = read_status(pid)
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     segments, shm_bytes = shm_usage(pid)
     return {"rss_bytes": rss, "fds": fds, "threads": threads,
-            "shm_segments": segments, "shm_bytes": shm_bytes}
+            "shm_segments": segments, "shm_bytes": shm_bytes,
+            "thread_names": thread_names(pid)}
 
 
 def client(args):
@@ -300,16 +335,26 @@ def client(args):
 
     pids = json.loads(os.environ["SOAK_SERVER_PIDS"])  # {task: pid}
     pids["client"] = os.getpid()
+    ready_file = os.environ.get("SOAK_READY_FILE")
+    if ready_file:  # TensorFlow is imported; now wait for the servers
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not os.path.exists(ready_file):
+            if time.monotonic() > deadline:
+                log(f"{args.transport}: the servers were not ready within "
+                    f"{SERVER_START_TIMEOUT_S} s")
+                return 1
+            time.sleep(0.05)
     cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
 
     corruptions = dict(parse_corruption(c) for c in args.inject_corruption)
-    fn = build_step_function(tf, corruptions, args.op_timeout)
+    fn = build_step_function(tf, corruptions, args.op_timeout, args.path)
     layout = flag_layout()
     counts = {f"{edge}@{task}": 0 for flags in layout for edge, task in flags}
     mismatches = []
     samples = []
-    doc = {"transport": args.transport, "steps_asked": args.steps,
+    doc = {"transport": args.transport, "path": args.path,
+           "steps_asked": args.steps,
            "sample_every": args.sample_every, "pids": pids,
            "corruptions": corruptions, "samples": samples,
            "mismatch_counts": counts, "mismatches": mismatches}
@@ -346,8 +391,8 @@ def client(args):
                                                    "task": task})
             if step == 1:
                 first_call_s = time.perf_counter() - t0
-                plan = fn.plan
-                doc["plan"] = {
+                plan = fn.plan if args.path == "rewrite" else None
+                doc["plan"] = plan and {
                     "transfers": [{"key": t.key, "dynamic": bool(t.dynamic)}
                                   for t in plan.transfers],
                     "bytes_per_step": plan.bytes_per_step}
@@ -418,6 +463,17 @@ def pick_ports(n):
     return ports
 
 
+def die_with_parent():
+    """preexec_fn: SIGTERM the child when the orchestrator dies (even by
+    SIGKILL), so that no server or client outlives it; a server handles
+    SIGTERM as a clean shutdown that removes its /dev/shm segments."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:  # not glibc: no safety net, the finally blocks still stop them
+        pass
+
+
 def child_env(transport, op_timeout, secret):
     """The environment of the servers and the client."""
     env = dict(os.environ)
@@ -444,18 +500,27 @@ class Servers:
         self.env = env
         self.procs = {}
 
-    def start(self, timeout=SERVER_START_TIMEOUT_S):
-        """Starts the servers; True when all said ready within ``timeout``."""
-        for i, task in enumerate(TASKS):
-            e = dict(self.env)
-            e["TF_CONFIG"] = json.dumps(
-                {"cluster": self.cluster, "task": {"type": "worker", "index": i}})
-            with open(self.path(task, "out"), "w") as out, \
-                    open(self.path(task, "err"), "w") as err:
-                self.procs[task] = subprocess.Popen(
-                    [sys.executable, "-m", "tf_rdma.server"], env=e,
-                    stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    start_new_session=True)
+    def start_processes(self):
+        """Starts the server processes; False when one could not start."""
+        try:
+            for i, task in enumerate(TASKS):
+                e = dict(self.env)
+                e["TF_CONFIG"] = json.dumps(
+                    {"cluster": self.cluster,
+                     "task": {"type": "worker", "index": i}})
+                with open(self.path(task, "out"), "w") as out, \
+                        open(self.path(task, "err"), "w") as err:
+                    self.procs[task] = subprocess.Popen(
+                        [sys.executable, "-m", "tf_rdma.server"], env=e,
+                        stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                        start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as e:
+            log(f"{self.transport}: cannot start a server: {e}")
+            return False
+        return True
+
+    def wait_ready(self, timeout=SERVER_START_TIMEOUT_S):
+        """True when every server said ready within ``timeout``."""
         deadline = time.monotonic() + timeout
         waiting = set(TASKS)
         while waiting and time.monotonic() < deadline:
@@ -463,6 +528,7 @@ class Servers:
                 with open(self.path(task, "out")) as f:
                     if "tf_rdma server ready" in f.read():
                         waiting.discard(task)
+                        continue
                 if self.procs[task].poll() is not None:
                     log(f"{self.transport}: server {task} exited with "
                         f"{self.procs[task].returncode}")
@@ -507,29 +573,43 @@ class Servers:
 
 
 def run_transport(transport, args, log_dir):
-    """Starts the servers and the client for one transport; returns its raw doc."""
+    """Starts the servers and the client for one transport; returns its raw doc.
+
+    The client starts with the servers and imports TensorFlow while they
+    start; it connects when the orchestrator writes the ready file.
+    """
     env = child_env(transport, args.op_timeout, secrets.token_hex(16))
     servers = Servers(transport, env, log_dir)
+    client_proc = None
     raw = None
     started = time.perf_counter()
+    phases = {}  # seconds from the start: where a run's wall time goes
+    out_path = os.path.join(log_dir, f"{transport}-client.json")
+    ready_path = os.path.join(log_dir, f"{transport}-ready")
     try:
-        log(f"{transport}: starting worker:0 and worker:1")
-        if not servers.start():
-            print(servers.logs(), file=sys.stderr)
-            return None
-        out_path = os.path.join(log_dir, f"{transport}-client.json")
+        log(f"{transport}: starting worker:0, worker:1 and the client "
+            f"({args.steps} steps, a sample every {args.sample_every})")
         cmd = [sys.executable, os.path.abspath(__file__), "--client",
                "--transport", transport, "--steps", str(args.steps),
                "--sample-every", str(args.sample_every),
                "--progress-every", str(args.progress_every),
-               "--op-timeout", str(args.op_timeout), "--out", out_path]
+               "--op-timeout", str(args.op_timeout), "--path", args.path,
+               "--out", out_path]
         for c in args.inject_corruption:
             cmd += ["--inject-corruption", c]
+        servers_ok = servers.start_processes()
         cenv = dict(env, TF_CONFIG=json.dumps({"cluster": servers.cluster}),
-                    SOAK_SERVER_PIDS=json.dumps(servers.pids))
-        log(f"{transport}: client: {args.steps} steps, a sample every "
-            f"{args.sample_every}")
-        status = run_client(cmd, cenv, args.timeout, args.verbose)
+                    SOAK_SERVER_PIDS=json.dumps(servers.pids),
+                    SOAK_READY_FILE=ready_path)
+        client_proc = ClientProcess(cmd, cenv, args.verbose)
+        if not (servers_ok and servers.wait_ready()):
+            print(servers.logs(), file=sys.stderr)
+            return None
+        with open(ready_path, "w") as f:
+            f.write("ready\n")
+        phases["servers_ready_s"] = round(time.perf_counter() - started, 1)
+        status = client_proc.wait(args.timeout)
+        phases["client_done_s"] = round(time.perf_counter() - started, 1)
         try:
             with open(out_path) as f:
                 raw = json.load(f)
@@ -544,6 +624,8 @@ def run_transport(transport, args, log_dir):
         if raw is not None:
             raw["client_status"] = status
     finally:
+        if client_proc is not None:
+            client_proc.stop()
         pids = servers.pids
         codes = servers.stop()
         left = [n for n in os.listdir("/dev/shm")
@@ -552,36 +634,50 @@ def run_transport(transport, args, log_dir):
             raw["server_exit"] = codes
             raw["segments_left_after_shutdown"] = left
             raw["wall_s"] = round(time.perf_counter() - started, 1)
+            raw["phases_s"] = phases
     return raw
 
 
-def run_client(cmd, env, timeout, verbose):
-    """Runs the client; its stderr goes through (TF noise filtered). Returns its status."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    tail = collections.deque(maxlen=40)
+class ClientProcess:
+    """The client (this script with --client); its progress lines go through."""
 
-    def pump():
-        for line in iter(proc.stdout.readline, ""):
+    def __init__(self, cmd, env, verbose):
+        self.verbose = verbose
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent)
+        self.tail = collections.deque(maxlen=40)
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self):
+        for line in iter(self.proc.stdout.readline, ""):
             text = line.rstrip("\n")
-            tail.append(text)
-            if verbose or text.startswith(LOG_PREFIX):
+            self.tail.append(text)
+            if self.verbose or text.startswith(LOG_PREFIX):
                 print(text, file=sys.stderr, flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        status = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"client: no end after {timeout:g} s; stopping it")
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        status = None
-    reader.join(5)
-    if status != 0 and not verbose:
-        print("\n".join("    " + t for t in tail), file=sys.stderr)
-    return status
+    def wait(self, timeout):
+        """Its exit status, or None when it ran past ``timeout`` (then killed)."""
+        try:
+            status = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log(f"client: no end after {timeout:g} s; stopping it")
+            self.stop()
+            status = None
+        self.reader.join(5)
+        if status != 0 and not self.verbose:
+            print("\n".join("    " + t for t in self.tail), file=sys.stderr)
+        return status
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
 
 
 # --- the verdict ---
@@ -595,6 +691,24 @@ def warmup_step(steps, sample_every, warmup):
         warmup = max(int(steps * DEFAULT_WARMUP_FRACTION), DYNAMIC_PERIOD)
     first = max(sample_every, -(-warmup // sample_every) * sample_every)
     return min(first, steps - steps % sample_every or steps)
+
+
+def thread_name_changes(samples, name):
+    """[{step, thread, delta}]: how each named thread count moved between samples."""
+    changes = []
+    previous = None
+    for s in samples:
+        names = s[name].get("thread_names")
+        if names is None:
+            return []
+        if previous is not None:
+            for thread in sorted(set(names) | set(previous)):
+                delta = names.get(thread, 0) - previous.get(thread, 0)
+                if delta:
+                    changes.append({"step": s["step"], "thread": thread,
+                                    "delta": delta})
+        previous = names
+    return changes
 
 
 def evaluate(raw, args):
@@ -624,6 +738,13 @@ def evaluate(raw, args):
         pct = 100.0 * growth / base["rss_bytes"]
         series = {k: [s[name][k] for s in after]
                   for k in ("fds", "threads", "shm_segments", "shm_bytes")}
+        if all("thread_names" in s[name] for s in after):
+            elastic = [sum(s[name]["thread_names"].get(t, 0)
+                           for t in ELASTIC_THREAD_NAMES) for s in after]
+            series["threads_elastic"] = elastic
+            series["threads_fixed"] = [
+                sum(s[name]["thread_names"].values()) - e
+                for s, e in zip(after, elastic)]
         summary = {
             "rss_start_bytes": base["rss_bytes"], "rss_end_bytes": last["rss_bytes"],
             "rss_growth_bytes": growth, "rss_growth_pct": round(pct, 4),
@@ -631,6 +752,7 @@ def evaluate(raw, args):
             **{f"{k}_start": v[0] for k, v in series.items()},
             **{f"{k}_end": v[-1] for k, v in series.items()},
             **{f"{k}_range": [min(v), max(v)] for k, v in series.items()},
+            "thread_changes": thread_name_changes(after, name),
         }
         per_task[name] = summary
         if name == "client":
@@ -639,14 +761,24 @@ def evaluate(raw, args):
             failures.append(f"{name}: RSS grew {pct:.2f}% ({growth / MiB:+.1f} "
                             f"MiB) from step {after[0]['step']} to "
                             f"{after[-1]['step']} (limit {args.max_rss_growth:g}%)")
-        limits = {"fds": args.fd_slack, "threads": 0, "shm_segments": 0,
-                  "shm_bytes": 0}
+        limits = {"fds": args.fd_slack, "shm_segments": 0, "shm_bytes": 0}
+        if "threads_fixed" in series:
+            limits.update(threads_fixed=0,
+                          threads_elastic=args.elastic_thread_slack)
+        else:  # samples without thread names: every thread exactly
+            limits.update(threads=0)
         for key, slack in limits.items():
             v = series[key]
             if max(abs(x - v[0]) for x in v) > slack:
+                why = ""
+                if key.startswith("threads") and summary["thread_changes"]:
+                    why = "; by name: " + ", ".join(
+                        f"{c['thread']} {c['delta']:+d} at step {c['step']}"
+                        for c in summary["thread_changes"][:6])
                 failures.append(f"{name}: {key} not flat after warm-up: "
                                 f"{v[0]} at step {after[0]['step']}, then "
-                                f"{min(v)} to {max(v)} (allowed +-{slack})")
+                                f"{min(v)} to {max(v)} (allowed +-{slack})"
+                                + why)
     post = [s for s in samples if s["step"] >= base_step]
     rate_post = None
     if len(post) >= 2:
@@ -778,6 +910,9 @@ def shown_path(path):
 
 
 def orchestrate(args):
+    """Runs every transport, judges, writes JSON and PNG; returns the exit status."""
+    # SIGTERM unwinds like Ctrl-C: the finally blocks stop the servers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
     machine = machine_info()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -795,8 +930,10 @@ def orchestrate(args):
                 continue
             summary, failures = evaluate(raw, args)
             ok = ok and not failures
-            json_path = os.path.join(out_dir, f"soak-{transport}.json")
-            png_path = os.path.join(out_dir, f"soak-{transport}.png")
+            stem = f"soak-{transport}" + ("" if args.path == "rewrite"
+                                          else f"-{args.path}")
+            json_path = os.path.join(out_dir, stem + ".json")
+            png_path = os.path.join(out_dir, stem + ".png")
             doc = {
                 "bench": "soak", "date": date, "machine": machine,
                 "config": {
@@ -805,6 +942,8 @@ def orchestrate(args):
                     "warmup_until_step": summary["warmup_until_step"],
                     "max_rss_growth_pct": args.max_rss_growth,
                     "fd_slack": args.fd_slack, "op_timeout_s": args.op_timeout,
+                    "elastic_thread_names": list(ELASTIC_THREAD_NAMES),
+                    "elastic_thread_slack": args.elastic_thread_slack,
                     "inject_corruption": raw.get("corruptions"),
                     "edges": {"static_words": STATIC_WORDS,
                               "dynamic_max_words": DYNAMIC_MAX_WORDS,
@@ -817,6 +956,7 @@ def orchestrate(args):
                     "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                     "wall_s": raw.get("wall_s"),
+                    "phases_s": raw.get("phases_s"),
                     "command": " ".join([os.path.relpath(sys.argv[0], _REPO)]
                                         + sys.argv[1:]),
                 },
@@ -862,6 +1002,13 @@ def build_parser():
     parser.add_argument("--fd-slack", type=int, default=DEFAULT_FD_SLACK,
                         metavar="N", help="fds may differ from their "
                                           "post-warm-up count by N (default 1)")
+    parser.add_argument("--elastic-thread-slack", type=int,
+                        default=DEFAULT_ELASTIC_THREAD_SLACK, metavar="N",
+                        help="threads of pools that grow with load by design "
+                             f"({', '.join(ELASTIC_THREAD_NAMES)}: gRPC's) may "
+                             "differ from their post-warm-up count by N "
+                             f"(default {DEFAULT_ELASTIC_THREAD_SLACK}); every "
+                             "other thread must stay")
     parser.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S,
                         metavar="S", help="TF_RDMA_TIMEOUT of every op "
                                           f"(default {DEFAULT_OP_TIMEOUT_S})")
@@ -874,6 +1021,14 @@ def build_parser():
     parser.add_argument("--progress-every", type=int, metavar="N",
                         help="steps between progress lines (default: 10 "
                              "samples)")
+    parser.add_argument("--path", choices=("rewrite", "grpc"),
+                        default="rewrite",
+                        help="rewrite (default): the function under "
+                             "@tf_rdma.rewrite; grpc: the same tf.function "
+                             "without it (TensorFlow moves the edges, the "
+                             "allreduce stays tf_rdma's), the reference for "
+                             "what TensorFlow itself grows; results in "
+                             "soak-<transport>-grpc.json")
     parser.add_argument("--inject-corruption", action="append", default=[],
                         metavar="STEP:EDGE",
                         help="for tests: the sender changes one word of EDGE's "
