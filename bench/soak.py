@@ -844,20 +844,28 @@ def plot(raw, summary, path):
         return None
     samples = raw["samples"]
     steps = [s["step"] for s in samples]
-    panels = [("rss_bytes", "RSS (MiB)", 1.0 / MiB),
-              ("fds", "open fds", 1), ("threads", "threads", 1),
-              ("shm_bytes", "/dev/shm bytes of its segments (MiB)", 1.0 / MiB)]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 10), sharex=True)
-    for ax, (key, label, scale) in zip(axes, panels):
-        for name in list(TASKS) + ["client"]:
+    everyone = list(TASKS) + ["client"]
+    # The client's RSS has its own panel: on the tasks' scale it would
+    # flatten their lines.
+    panels = [("rss_bytes", "tasks' RSS (MiB)", 1.0 / MiB, list(TASKS)),
+              ("rss_bytes", "client's RSS (MiB)", 1.0 / MiB, ["client"]),
+              ("fds", "open fds", 1, everyone),
+              ("threads", "threads", 1, everyone),
+              ("shm_bytes", "/dev/shm bytes of its segments (MiB)", 1.0 / MiB,
+               everyone)]
+    colors = {name: f"C{i}" for i, name in enumerate(everyone)}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 12), sharex=True)
+    for ax, (key, label, scale, names) in zip(axes, panels):
+        for name in names:
             ax.plot(steps, [s[name][key] * scale for s in samples],
-                    marker=".", label=name,
+                    marker=".", label=name, color=colors[name],
                     linestyle="--" if name == "client" else "-")
         ax.axvline(summary["warmup_until_step"], color="grey", linewidth=0.8,
                    linestyle=":")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[0].legend(loc="best", fontsize="small")
+    axes[1].legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step (dotted line: end of warm-up)")
     verdict = "PASS" if summary["pass"] else "FAIL"
     fig.suptitle(f"tf_rdma soak over {raw['transport']}: {summary['steps']} "
@@ -866,6 +874,19 @@ def plot(raw, summary, path):
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def replot(json_paths):
+    """Draws the PNG of each soak JSON again, next to it; returns the exit status."""
+    for path in json_paths:
+        with open(path) as f:
+            doc = json.load(f)
+        raw = {"samples": doc["samples"], "transport": doc["config"]["transport"]}
+        png = plot(raw, doc["summary"], os.path.splitext(path)[0] + ".png")
+        if png is None:
+            return 1
+        print(f"wrote {shown_path(png)}")
+    return 0
 
 
 def print_summary(summary):
@@ -1034,6 +1055,9 @@ def build_parser():
                         help="for tests: the sender changes one word of EDGE's "
                              f"tensor ({', '.join(EDGE_KEYS)}) at STEP after "
                              "its checksum; the run must then report it")
+    parser.add_argument("--replot", nargs="+", metavar="JSON",
+                        help="only draw the PNG of each soak JSON again "
+                             "(next to it), then exit")
     parser.add_argument("--verbose", action="store_true",
                         help="show the client's and the servers' output")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -1057,6 +1081,8 @@ def main(argv=None):
         parser.error("--progress-every must be a multiple of --sample-every")
     if args.client:
         return client(args)
+    if args.replot:
+        return replot(args.replot)
     if args.timeout is None:
         args.timeout = 300 + 0.05 * args.steps
     return orchestrate(args)
