@@ -839,9 +839,19 @@ def plot(raw, summary, path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pip install matplotlib)")
+    except ImportError as e:
+        log(f"no plot: matplotlib cannot be imported ({e}); install it "
+            f"(it is in requirements-dev.txt) and redraw with --replot JSON")
         return None
+    try:
+        return _draw(plt, raw, summary, path)
+    except Exception as e:  # noqa: BLE001 - the JSON is written; say why no plot
+        log(f"no plot: drawing {path} failed: {type(e).__name__}: {e}")
+        return None
+
+
+def _draw(plt, raw, summary, path):
+    """The figure of :func:`plot`."""
     samples = raw["samples"]
     steps = [s["step"] for s in samples]
     everyone = list(TASKS) + ["client"]
@@ -874,6 +884,12 @@ def plot(raw, summary, path):
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def write_json(path, doc):
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
 
 
 def replot(json_paths):
@@ -984,10 +1000,11 @@ def orchestrate(args):
                 "summary": summary,
                 "samples": raw["samples"],
             }
-            doc["plot"] = plot(raw, summary, png_path) if not args.no_plot else None
-            with open(json_path, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
+            doc["plot"] = None
+            write_json(json_path, doc)  # first: a failing plot loses nothing
+            if not args.no_plot:
+                doc["plot"] = plot(raw, summary, png_path)
+                write_json(json_path, doc)
             print_summary(summary)
             print(f"  wrote {shown_path(json_path)}"
                   + (f" and {shown_path(doc['plot'])}" if doc["plot"] else ""))
