@@ -45,7 +45,9 @@ file descriptors (``/proc/<pid>/fd``), the threads (``Threads``, and their
 names from ``/proc/<pid>/task/*/comm``, so that a change says which pool
 moved) and the ``/dev/shm`` segments the task owns (``tfrdma.<pid>.*``:
 count, bytes). The servers run on this host, so ``/proc/<pid>`` of a task
-is what the task would read as ``/proc/self``.
+is what the task would read as ``/proc/self``. The client also records its
+number of Python objects (``python_objects``), which tells Python-level
+growth from native growth.
 
 Pass criteria (printed, and the exit status), for each task, from the first
 sample at or after the warm-up (default: the first 10% of the steps, and at
@@ -328,6 +330,8 @@ def sample_process(pid):
 
 def client(args):
     """Runs the steps against the servers named in TF_CONFIG; writes --out."""
+    import gc
+
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")
@@ -363,6 +367,8 @@ def client(args):
         row = {"step": step, "elapsed_s": round(elapsed, 3)}
         for name, pid in pids.items():
             row[name] = sample_process(pid)
+        # Whether the client's growth is Python objects or native memory.
+        row["client"]["python_objects"] = len(gc.get_objects())
         samples.append(row)
 
     def save(steps_done, elapsed, first_call_s, error=None):
