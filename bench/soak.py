@@ -106,10 +106,6 @@ CHECKSUM_MODULUS = (1 << 61) - 1
 #: Key of every tensor kind; part of the checksum, so a tensor that arrives
 #: on the wrong edge is a mismatch.
 EDGE_KEYS = {"static": 1, "dynamic": 2, "back": 3, "allreduce": 4}
-#: Which task receives (and so verifies) each kind; the allreduce is
-#: verified on both ranks.
-VERIFIED_ON = {"static": ["worker:1"], "dynamic": ["worker:1"],
-               "back": ["worker:0"], "allreduce": ["worker:0", "worker:1"]}
 TASKS = ("worker:0", "worker:1")
 
 # --- defaults ---
@@ -190,6 +186,7 @@ def build_step_function(tf, corruptions, op_timeout, path="rewrite"):
         return maybe_corrupt(tensor, step, edge)
 
     def maybe_corrupt(tensor, step, edge):
+        """``tensor`` with its last word + 1 at edge's injected step, if any."""
         if edge not in corruptions:
             return tensor
         # The last word: the payload's, or the checksum's when it is empty.
@@ -210,37 +207,41 @@ def build_step_function(tf, corruptions, op_timeout, path="rewrite"):
         return 1 - tf.cast(ok, tf.int32)
 
     def dynamic_words(step):
+        """The dynamic edge's payload length at ``step``: 0 to the max, period DYNAMIC_PERIOD."""
         return tf.math.floormod(step * 7919, DYNAMIC_PERIOD) * (
             DYNAMIC_MAX_WORDS // (DYNAMIC_PERIOD - 1))
 
     def contribution(step, rank):
-        x = payload(step, EDGE_KEYS["allreduce"] * 10 + rank, ALLREDUCE_WORDS)
-        if "allreduce" in corruptions and rank == 0:
-            x = maybe_corrupt(x, step, "allreduce")
-        return x
-
-    def allreduce_bad(y, step):
-        want = contribution_exact(step, 0) + contribution_exact(step, 1)
-        return 1 - tf.cast(tf.reduce_all(tf.equal(y, want)), tf.int32)
-
-    def contribution_exact(step, rank):
+        """Rank's allreduce input: known to every rank from (step, rank)."""
         return payload(step, EDGE_KEYS["allreduce"] * 10 + rank,
                        ALLREDUCE_WORDS)
 
+    def sent_contribution(step, rank):
+        """What rank puts in: rank 0's corrupted at the injected step."""
+        x = contribution(step, rank)
+        return maybe_corrupt(x, step, "allreduce") if rank == 0 else x
+
+    def allreduce_bad(y, step):
+        """1 unless ``y`` is exactly the sum of both ranks' inputs of this step."""
+        want = contribution(step, 0) + contribution(step, 1)
+        return 1 - tf.cast(tf.reduce_all(tf.equal(y, want)), tf.int32)
+
     def step_fn(step):
         with tf.device(w0):
-            static = pack(step, "static", payload(step, 1, STATIC_WORDS))
-            n = dynamic_words(step)
-            dynamic = pack(step, "dynamic", payload(step, 2, n))
+            static = pack(step, "static",
+                          payload(step, EDGE_KEYS["static"], STATIC_WORDS))
+            dynamic = pack(step, "dynamic",
+                           payload(step, EDGE_KEYS["dynamic"],
+                                   dynamic_words(step)))
             y0 = collectives.all_reduce(
-                contribution(step, 0),
+                sent_contribution(step, 0),
                 group=collectives.Group(group, rank=0),
                 name="soak/allreduce", algorithm="ring")
         with tf.device(w1):
             static_bad = bad(static, step, "static", STATIC_WORDS)
             dynamic_bad = bad(dynamic, step, "dynamic", dynamic_words(step))
             y1 = collectives.all_reduce(
-                contribution(step, 1),
+                sent_contribution(step, 1),
                 group=collectives.Group(group, rank=1),
                 name="soak/allreduce", algorithm="ring")
             ar1_bad = allreduce_bad(y1, step)
