@@ -102,8 +102,10 @@ def test_short_soak_over_shm_and_tcp(tmp_path):
         assert kinds == [False, False, True], doc["config"]["plan"]
         after = [s for s in doc["samples"]
                  if s["step"] >= summary["warmup_until_step"]]
+        # Warm-up: one period of the dynamic sizes, up to the next sample.
+        assert summary["warmup_until_step"] == 500, summary
         assert [s["step"] for s in after] == list(range(
-            SHORT_RUN_SAMPLE_EVERY, SHORT_RUN_STEPS + 1, SHORT_RUN_SAMPLE_EVERY))
+            500, SHORT_RUN_STEPS + 1, SHORT_RUN_SAMPLE_EVERY))
         for task in ("worker:0", "worker:1"):
             series = {k: [s[task][k] for s in after]
                       for k in ("rss_bytes", "fds", "shm_segments",
