@@ -21,6 +21,7 @@ help:
 	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
 	@echo "make install  set up .venv and build the op library"
 	@echo "make fuzz     fuzz the wire parsers and slot checks (libFuzzer with clang, installed if it can be; else a g++ driver); FUZZ_SECONDS=60"
+	@echo "make cpp-test C++ unit tests of the engine pieces (wire, regions, config, slots, sha256, shm/tcp writes); g++, no TensorFlow; CPP_TEST_ARGS='NAME --list' filters"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 # iproute2 for the network-namespace tests, g++ for the op library,
@@ -146,3 +147,23 @@ fuzz:
 	    -o build/fuzz/wire_fuzz_standalone -ldl -lpthread -lrt && \
 	  build/fuzz/wire_fuzz_standalone --runs=$(FUZZ_RUNS) tests/fuzz/seeds/*; \
 	fi
+
+# C++ unit tests of the engine pieces that need no TensorFlow (issue 14):
+# tests/cpp/engine_unittest.cc, built with g++ from the fuzz target's engine
+# sources (FUZZ_ENGINE) and run. Rebuilt only when a source under
+# kernels/engine, kernels/transport or tests/cpp (or this Makefile) is newer
+# than the binary. CPP_TEST_ARGS: test-name substrings, --list, --known-bugs.
+# tests/test_cpp_units.py runs it in `make test` and `make test-fast`.
+.PHONY: cpp-test
+CPP_TEST_BIN := build/cpp/engine_unittest
+CPP_TEST_ARGS ?=
+
+cpp-test:
+	@mkdir -p build/cpp
+	@if [ ! -x $(CPP_TEST_BIN) ] || [ -n "$$(find Makefile kernels/engine kernels/transport tests/cpp \( -name '*.cc' -o -name '*.h' -o -name Makefile \) -newer $(CPP_TEST_BIN) -print -quit)" ]; then \
+	  echo "cpp-test: building $(CPP_TEST_BIN)"; \
+	  tmp=$(CPP_TEST_BIN).tmp.$$$$; \
+	  g++ -std=c++17 -O1 -g -I. tests/cpp/engine_unittest.cc $(FUZZ_ENGINE) -o $$tmp -ldl -lpthread -lrt \
+	    && mv -f $$tmp $(CPP_TEST_BIN) || { rm -f $$tmp; exit 1; }; \
+	fi
+	@$(CPP_TEST_BIN) $(CPP_TEST_ARGS)

@@ -48,8 +48,10 @@ PEER_OF = {"worker:0": "/job:worker/task:1", "worker:1": "/job:worker/task:0"}
 OUT_KEY = {"worker:0": "a2b", "worker:1": "b2a"}
 
 # Each task sends its tensor, then receives the other's, STEPS times. It
-# reports after every step (so the test can act between steps) and, on the
-# first failing op, the error with the op's key, step and duration.
+# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
+# the test's "go" (so the test acts between two steps however fast they
+# run); on the first failing op it reports the error with the op's key,
+# step and duration.
 PROGRAM = """
 import hashlib
 N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
@@ -63,10 +65,12 @@ listen = os.environ.get("TEST_LISTEN_" + task.replace(":", "_"))
 ep = start(listen=listen) if listen else start()
 me = int(task.rsplit(":", 1)[1])
 out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
+pause_after = int(os.environ.get("TEST_PAUSE_AFTER_STEP", "0"))
 digests, failure = [], None
 t0 = time.monotonic()
 for step in range(1, STEPS + 1):
-    error = error_of(lambda: tf_rdma.ops.send(tf.constant(payload(me, step)), plan, out_key))
+    value = tf.constant(payload(me, step))  # made before the op is timed
+    error = error_of(lambda: tf_rdma.ops.send(value, plan, out_key))
     if error:
         failure = dict(error, key=out_key, step=step)
         break
@@ -77,6 +81,8 @@ for step in range(1, STEPS + 1):
         break
     digests.append(hashlib.sha256(got.pop().tobytes()).hexdigest())
     touch(f"{task}-step{step}")
+    if step == pause_after:  # the test acts (stops a task, cuts the path)
+        wait_file("go", timeout=120)
 result({"digests": digests, "failure": failure, "seconds": time.monotonic() - t0})
 """
 
@@ -87,11 +93,15 @@ def payload_digest(sender, step, n):
 
 
 def run_exchange(tmp_path, cluster, *, elements, steps, timeout_s, prefixes=None,
-                 listen=None, during=None, budget=150):
-    """Runs PROGRAM on both tasks; `during(procs)` runs while they do."""
+                 listen=None, during=None, pause_after=0, budget=150):
+    """Runs PROGRAM on both tasks; `during(procs)` runs while they do.
+
+    With `pause_after`, both tasks wait after that step until `during`
+    touches "go" in tmp_path.
+    """
     env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp",
            "TF_RDMA_TIMEOUT": str(timeout_s), "TEST_ELEMENTS": str(elements),
-           "TEST_STEPS": str(steps)}
+           "TEST_STEPS": str(steps), "TEST_PAUSE_AFTER_STEP": str(pause_after)}
     for task, address in (listen or {}).items():
         env["TEST_LISTEN_" + task.replace(":", "_")] = address
     procs = {t: spawn_task(t, PROGRAM, cluster, env, prefix=(prefixes or {}).get(t, ()))
@@ -298,10 +308,12 @@ def test_delay_proxy(tmp_path, partition):
         wait_for_step(tmp_path, procs, TASKS, 2)
         for p in proxies:
             p.partition()
+        (tmp_path / "go").write_text("1")
 
     try:
         results = run_exchange(tmp_path, cluster, listen=listen,
-                               during=cut_after_step_two if partition else None, **shape)
+                               during=cut_after_step_two if partition else None,
+                               pause_after=2 if partition else 0, **shape)
     finally:
         for p in proxies:
             p.close()
@@ -320,12 +332,17 @@ def test_sigstop(tmp_path, stop_s, timeout_s):
     shape = dict(elements=1 << 16, steps=6, timeout_s=timeout_s)
 
     def stop_worker_1(procs):
-        wait_for_step(tmp_path, procs, ["worker:1"], 2)
+        # Both finished step 2 and wait for "go": worker:1 is stopped (its
+        # engine threads too) with "go" already there, so worker:0 goes on
+        # into step 3 while worker:1 stays frozen until SIGCONT.
+        wait_for_step(tmp_path, procs, TASKS, 2)
         kill_group(procs["worker:1"], signal.SIGSTOP)
+        (tmp_path / "go").write_text("1")
         time.sleep(stop_s)
         kill_group(procs["worker:1"], signal.SIGCONT)
 
-    results = run_exchange(tmp_path, make_cluster(2), during=stop_worker_1, **shape)
+    results = run_exchange(tmp_path, make_cluster(2), during=stop_worker_1,
+                           pause_after=2, **shape)
     longer = stop_s > timeout_s
     _assert_contract(results, **shape, stopped="worker:1", stop_s=stop_s,
                      must_fail=("worker:0",) if longer else ())

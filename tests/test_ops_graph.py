@@ -92,3 +92,20 @@ def test_functions_without_tf_rdma_ops_are_left_alone():
     assert out.op.type == "Identity"
     assert out.op.control_inputs  # the print must run first
     assert out.op.device == ""  # TensorFlow's own placement decides
+
+
+@pytest.mark.parametrize("timeout", [0, -1, 1e-4, 604800.001, 1e10, float("inf"),
+                                     float("nan"), "soon", None])
+def test_op_timeout_is_a_number_of_seconds_up_to_a_week(timeout):
+    if timeout is None:
+        assert tf_rdma.ops.timeout_to_ms(None) == -1  # TF_RDMA_TIMEOUT's
+        return
+    # Past a week a bound used to reach the engine and, past ~292 years,
+    # wrap its deadline into the past: every wait failed at once.
+    with pytest.raises(tf_rdma.errors.PlanError, match=r"in \(0, 604800\]"):
+        tf_rdma.ops.timeout_to_ms(timeout)
+
+
+def test_op_timeout_limits_accepted():
+    assert tf_rdma.ops.timeout_to_ms(0.001) == 1
+    assert tf_rdma.ops.timeout_to_ms(604800) == 604800 * 1000

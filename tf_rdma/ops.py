@@ -24,11 +24,12 @@ against other stateful ops, so a ``recv`` may be written before its ``send``
 (see tf_rdma/_tf_private.py).
 """
 
+import math
 import weakref
 
 import tensorflow as tf
 
-from tf_rdma import _loader
+from tf_rdma import _loader, settings
 from tf_rdma.errors import PlanError
 
 __all__ = ["send", "recv", "raw_ops"]
@@ -53,18 +54,19 @@ def timeout_to_ms(timeout, error=PlanError):
     """Seconds (None: TF_RDMA_TIMEOUT) as the ops' timeout_ms attribute (-1).
 
     Raises:
-        error: `timeout` is not a positive number of seconds.
+        error: `timeout` is not a number of seconds in (0, a week].
     """
     if timeout is None:
         return -1
     try:
-        ms = int(round(float(timeout) * 1000))
+        seconds = float(timeout)
     except (TypeError, ValueError):
-        ms = 0
-    if ms <= 0:
-        raise error(f"timeout {timeout!r} must be a positive number of "
-                        f"seconds (or None for TF_RDMA_TIMEOUT)")
-    return ms
+        seconds = math.nan
+    # Not `not (0 < s <= max)` written otherwise: NaN must fail it too.
+    if not 0 < seconds <= settings.MAX_TIMEOUT_S or round(seconds * 1000) <= 0:
+        raise error(f"timeout {timeout!r} must be a number of seconds in "
+                    f"(0, {settings.MAX_TIMEOUT_S}] (or None for TF_RDMA_TIMEOUT)")
+    return int(round(seconds * 1000))
 
 
 # Per graph: the last send / recv op of each (plan, key), so that the next one

@@ -17,6 +17,8 @@ from tf_rdma.errors import ConfigError
 #: The transports, in the order "auto" tries them (the project's design).
 TRANSPORTS = ("verbs", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 60.0
+#: The longest wait bound tf_rdma takes (a week), for the setting and the ops.
+MAX_TIMEOUT_S = 7 * 24 * 3600
 DEFAULT_POLL_US = 50
 # tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
 # graph passes; tests/test_settings.py checks the two agree).
@@ -224,7 +226,7 @@ def _number(variable, value, env, default, parse, valid, expected):
 def timeout_seconds(value=None, env=None):
     """Returns the wait bound in seconds: `value`, else TF_RDMA_TIMEOUT, else 60."""
     return _number("TF_RDMA_TIMEOUT", value, env, DEFAULT_TIMEOUT_S, float,
-                   lambda s: 0 < s <= 7 * 24 * 3600,
+                   lambda s: 0 < s <= MAX_TIMEOUT_S,
                    "a number of seconds in (0, 604800]")
 
 

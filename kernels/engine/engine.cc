@@ -450,9 +450,11 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
       TF_RDMA_RETURN_IF_ERROR(ParseVerbsSetting(key, value, &c.verbs));
     } else if (key == "timeout_ms") {
       uint64_t v;
-      if (!ParseUint(value, &v) || v == 0) {
+      if (!ParseUint(value, &v) || v == 0 ||
+          v > static_cast<uint64_t>(kMaxDeadlineMs)) {
         return InvalidArgument("timeout_ms '" + value +
-                               "' is not a positive integer");
+                               "' is not an integer in [1, " +
+                               std::to_string(kMaxDeadlineMs) + "]");
       }
       c.timeout_ms = static_cast<int64_t>(v);
     } else if (key == "poll_us") {

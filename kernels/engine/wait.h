@@ -17,6 +17,7 @@
 #ifndef TF_RDMA_ENGINE_WAIT_H_
 #define TF_RDMA_ENGINE_WAIT_H_
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -29,11 +30,17 @@ namespace tf_rdma {
 using Clock = std::chrono::steady_clock;
 
 // A point in time after which a wait gives up.
+// Longer than any wait needs (a year), far from the clock's range.
+constexpr int64_t kMaxDeadlineMs = int64_t{365} * 24 * 3600 * 1000;
+
 class Deadline {
  public:
+  // Bounds beyond kMaxDeadlineMs (about 292 years would overflow the
+  // clock's nanoseconds and wrap into the past) are clamped to it.
   explicit Deadline(int64_t timeout_ms)
       : timeout_ms_(timeout_ms),
-        at_(Clock::now() + std::chrono::milliseconds(timeout_ms)) {}
+        at_(Clock::now() +
+            std::chrono::milliseconds(std::min(timeout_ms, kMaxDeadlineMs))) {}
   bool Expired() const { return Clock::now() >= at_; }
   int64_t timeout_ms() const { return timeout_ms_; }
   // Milliseconds left, never negative.
