@@ -31,18 +31,14 @@ import json
 import mmap
 import os
 import re
-import socket
-import subprocess
-import sys
-import textwrap
 import time
 
 import numpy as np
 import pytest
 
 import wire_client
-from conftest import PRELUDE, base_env, kill_group, make_cluster, shm_segments
-from wire_client import HEADER, MAGIC, OPEN_REPLY, OPEN_REQUEST, WRITE, header, proof
+from conftest import base_env, make_cluster
+from wire_client import HEADER, MAGIC, WRITE
 from tf_rdma.graph_passes import plan as plan_lib
 
 pytestmark = pytest.mark.timeout(90)
@@ -114,14 +110,12 @@ os._exit(0)
 # --------------------------------------------------------------------------- the endpoint
 
 
-class EndpointProcess:
+class EndpointProcess(wire_client.TaskProcess):
     """The endpoint subprocess; its stdout and stderr go to files we can poll."""
 
     def __init__(self, workdir):
         self.cluster = make_cluster(N_TASKS)
         self.stop_file = os.path.join(workdir, "stop")
-        self.stdout_path = os.path.join(workdir, "endpoint.out")
-        self.stderr_path = os.path.join(workdir, "endpoint.err")
         env = base_env({
             "TF_RDMA_SECRET": SECRET,
             "TF_RDMA_TRANSPORT": "tcp",
@@ -131,12 +125,7 @@ class EndpointProcess:
             "TEST_STOP_FILE": self.stop_file,
             "TEST_RECV_TIMEOUT": str(RECV_TIMEOUT_S),
         })
-        code = PRELUDE + textwrap.dedent(ENDPOINT_PROGRAM)
-        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], env=env,
-                                         stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        super().__init__(workdir, "endpoint", ENDPOINT_PROGRAM, env)
         ready = self.wait_result(lambda r: r["kind"] in ("ready", "error"), 75)
         assert ready["kind"] == "ready", self.describe()
         self.port = int(ready["port"])
@@ -149,41 +138,6 @@ class EndpointProcess:
             self.regions[name] = (shm, int(size))
             self.region_index[name] = i
         assert set(self.regions) == {s.region for s in PLAN.slots}
-
-    # -- output
-
-    def stdout(self):
-        with open(self.stdout_path) as f:
-            return f.read()
-
-    def stderr(self):
-        with open(self.stderr_path) as f:
-            return f.read()
-
-    def results(self):
-        return [json.loads(line[len("RESULT "):])
-                for line in self.stdout().splitlines()
-                if line.startswith("RESULT ")]
-
-    def describe(self):
-        return (f"--- endpoint pid {self.proc.pid}, exit {self.proc.poll()}\n"
-                f"stdout:\n{self.stdout()[-3000:]}\n"
-                f"stderr:\n{self.stderr()[-5000:]}")
-
-    def wait_result(self, pred, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for r in self.results():
-                if pred(r):
-                    return r
-            if self.proc.poll() is not None:
-                for r in self.results():  # it may have printed, then exited
-                    if pred(r):
-                        return r
-                pytest.fail("endpoint exited early\n" + self.describe())
-            time.sleep(0.05)
-        pytest.fail(f"endpoint printed no matching RESULT within {timeout} s\n"
-                    + self.describe())
 
     def recv_result(self, key, timeout=20):
         return self.wait_result(
@@ -205,9 +159,6 @@ class EndpointProcess:
                 pytest.fail(f"no endpoint log line matches {pattern!r}\n"
                             + self.describe())
             time.sleep(0.05)
-
-    def assert_alive(self):
-        assert self.proc.poll() is None, "endpoint died\n" + self.describe()
 
     # -- regions
 
@@ -232,19 +183,7 @@ class EndpointProcess:
     # -- shutdown
 
     def stop(self):
-        with open(self.stop_file, "w"):
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            kill_group(self.proc)
-            self.proc.wait()
-        # A killed endpoint cannot unlink its segments; do it for it.
-        for name in shm_segments([self.proc.pid]):
-            try:
-                os.unlink("/dev/shm/" + name)
-            except FileNotFoundError:
-                pass
+        super().stop(self.stop_file)
 
 
 @pytest.fixture(scope="module")

@@ -1046,6 +1046,15 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
     }
 
 
+def _plan_verdict(check):
+    """The end of a memlock or /dev/shm line: whether the plan's bytes fit."""
+    if check["sufficient"] is None:
+        return "; plan size not checked (--plan-bytes)"
+    if check["sufficient"]:
+        return f"; enough for {check['plan_bytes']} bytes"
+    return f"; NOT enough: {check['advice']}"
+
+
 def _mib(n):
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -1118,26 +1127,14 @@ def format_text(report):
         out.append(f"devices: none ({report['device_error'] or 'none found'})")
     m = report["memlock"]
     line = f"memlock (ulimit -l): soft {m['soft_text']}, hard {m['hard_text']}"
-    if m["sufficient"] is None:
-        line += "; plan size not checked (--plan-bytes)"
-    elif m["sufficient"]:
-        line += f"; enough for {m['plan_bytes']} bytes"
-    else:
-        line += f"; NOT enough: {m['advice']}"
-    out.append(line)
+    out.append(line + _plan_verdict(m))
     d = report["dev_shm"]
     if not d["present"]:
         line = f"{d['path']}: absent (tf_rdma cannot make regions)"
     else:
         line = (f"{d['path']}: {_mib(d['free'])} free of {_mib(d['total'])}; tf_rdma segments: "
                 f"{d['tf_rdma_segments']} ({_mib(d['tf_rdma_bytes'])})")
-    if d["sufficient"] is None:
-        line += "; plan size not checked (--plan-bytes)"
-    elif d["sufficient"]:
-        line += f"; enough for {d['plan_bytes']} bytes"
-    else:
-        line += f"; NOT enough: {d['advice']}"
-    out.append(line)
+    out.append(line + _plan_verdict(d))
     tr = report["transports"]
     out.append(f"transports (TF_RDMA_TRANSPORT={tr['setting']}):")
     if tr["verbs"]["available"]:
