@@ -1,8 +1,9 @@
 """The ``tf-rdma`` command line.
 
-Each subcommand lives in its own module. The command line is part of the
-tf_rdma package, whose import loads TensorFlow and the op library (and so
-checks the installation before anything runs).
+Each subcommand lives in its own module, imported when its parser is
+built. Importing tf_rdma loads neither TensorFlow nor the op library, so
+`launch`, `simulate` and `doctor` start without them; `doctor` reports an op
+library that does not load, `inspect` loads TensorFlow to trace.
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
