@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module, imported when its parser is
 built. Importing tf_rdma loads neither TensorFlow nor the op library, so
-`launch`, `simulate` and `doctor` start without them; `doctor` reports an op
-library that does not load, `inspect` loads TensorFlow to trace.
+`launch` and `doctor` start without them (`doctor` reports an op library
+that does not load); `inspect` loads TensorFlow to trace, and `simulate`
+still does through the tf_rdma.collectives package (issue 14).
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
