@@ -1,10 +1,11 @@
 """The ``tf-rdma`` command line.
 
-Each subcommand lives in its own module, imported when its parser is
-built. Importing tf_rdma loads neither TensorFlow nor the op library, so
-`launch` and `doctor` start without them (`doctor` reports an op library
-that does not load); `inspect` loads TensorFlow to trace, and `simulate`
-still does through the tf_rdma.collectives package (issue 14).
+Each subcommand lives in its own module, imported when the parser is
+built. Importing tf_rdma loads neither TensorFlow nor the op library, and
+neither do the launch and doctor modules (`doctor` reports an op library
+that does not load); the command line as a whole still loads TensorFlow,
+because building the parser imports simulate through the tf_rdma.collectives
+package (left for issue 14's one-spec-per-command change).
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
