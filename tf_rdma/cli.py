@@ -1,11 +1,10 @@
 """The ``tf-rdma`` command line.
 
 Each subcommand lives in its own module, imported when the parser is
-built. Importing tf_rdma loads neither TensorFlow nor the op library, and
-neither do the launch and doctor modules (`doctor` reports an op library
-that does not load); the command line as a whole still loads TensorFlow,
-because building the parser imports simulate through the tf_rdma.collectives
-package (left for issue 14's one-spec-per-command change).
+built. None of them loads TensorFlow or the op library to build its parser
+(importing tf_rdma does not either): `launch`, `simulate` and `doctor` run
+without loading them, `doctor` reports an op library that does not load, and
+`inspect` loads TensorFlow when it traces.
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,

@@ -41,9 +41,7 @@ algorithm, this rank and the peer.
 import threading
 import weakref
 
-import tensorflow as tf
-
-from tf_rdma import _loader, cluster as cluster_lib, ops
+from tf_rdma import cluster as cluster_lib
 from tf_rdma.errors import CollectiveError, EndpointError
 from tf_rdma.graph_passes.plan import DTYPE_SIZES
 
@@ -171,6 +169,7 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
     Returns:
         The :class:`tf_rdma.collectives.cost.Params` now in use.
     """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=g-import-not-at-top
 
     import numpy as np  # pylint: disable=g-import-not-at-top
@@ -229,6 +228,8 @@ _ordinals_lock = threading.Lock()
 
 
 def _default_name(signature):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
     with _ordinals_lock:
         if tf.executing_eagerly():
             # Eager calls run one after another: the same signature reuses
@@ -243,6 +244,12 @@ def _default_name(signature):
 def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
                 group=None, name=None, block_bytes=None, depth=None,
                 timeout=None):
+    # TensorFlow and the op library load at the first collective, not when
+    # this package is imported (tf-rdma simulate and cost live in it).
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tf_rdma import ops  # pylint: disable=import-outside-toplevel
+
     single = not isinstance(tensors, (list, tuple))
     tensors = [tf.convert_to_tensor(t) for t in
                ([tensors] if single else tensors)]
@@ -319,11 +326,11 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         name = _default_name(f"{kind}:{dtype.name}:[{shapes}]:{algorithm}:"
                              f"{reduction}:{root}:{'|'.join(group.tasks)}")
     if kind == "allgatherv":
-        return _loader.load().ops.tf_rdma_all_gather_v(
+        return ops.raw_ops().tf_rdma_all_gather_v(
             input=tensors[0], algorithm=algorithm, group=list(group.tasks),
             rank=group.rank, instance=name, block_bytes=int(block_bytes),
             depth=depth, timeout_ms=ops.timeout_to_ms(timeout, CollectiveError))
-    outputs = _loader.load().ops.tf_rdma_collective(
+    outputs = ops.raw_ops().tf_rdma_collective(
         inputs=tensors, kind=kind, reduction=reduction, algorithm=algorithm,
         group=list(group.tasks), rank=group.rank, root=root, instance=name,
         block_bytes=int(block_bytes), depth=depth,
