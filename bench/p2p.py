@@ -19,9 +19,10 @@ Two views of a transfer are reported for every size:
 ``p2p`` (per hop)
     One ``tf.function`` moves the tensor H times back and forth
     (task 0 -> task 1 -> task 0 -> ...); the time reported is the call time
-    divided by H. A client call costs 1-2 ms of dispatch by itself, which would
-    hide a 4 KiB transfer; the chain spreads that cost over H hops. For
-    tf_rdma every hop is its own planned transfer (keys ``hop0``..``hop<H-1>``,
+    divided by H. A client call has a fixed dispatch cost far above a 4 KiB
+    transfer (docs/benchmarks.md, "Bounds"), which would hide the transfer;
+    the chain spreads that cost over H hops. For tf_rdma every hop is its
+    own planned transfer (keys ``hop0``..``hop<H-1>``,
     alternating direction; the recv output of one hop is the send input of
     the next). For gRPC every hop is a ``tf.ensure_shape`` placed on the
     other task, which TensorFlow turns into a _Send/_Recv pair over gRPC.
@@ -312,10 +313,10 @@ def measure_memcpy(size, runs):
     Small sizes are timed in batches (at least ~8 MiB copied per sample) and
     divided, so the timer's resolution does not dominate. glibc's memmove
     has slow paths for some relative alignments of source and destination
-    (on the AMD EPYC this was written on, 64 KiB copy in 37 us at one
-    placement and 2.6 us at another), so the destination is tried at a few
-    byte offsets and the fastest placement is the one measured: the
-    baseline is the best a plain copy does.
+    (on some CPUs a copy is many times slower at one placement than at
+    another: docs/benchmarks.md, "Memory bandwidth"), so the destination is
+    tried at a few byte offsets and the fastest placement is the one
+    measured: the baseline is the best a plain copy does.
     """
     import numpy as np
 

@@ -27,8 +27,8 @@ The model is communication-bound on purpose: a multilayer perceptron with
 large dense layers (by default 1024-4096-4096-1024-10, 25.2 M parameters,
 101 MB of float32 gradients summed every step) on synthetic data (a fixed
 random batch of 32 per worker, the same for both systems), plain SGD (a
-momentum's extra passes over the 101 MB of weights cost as much as the
-forward and backward pass on a 2-core machine). Every worker seeds Keras
+momentum update adds passes over the 101 MB of weights: compute that would
+hide the communication on a machine with few cores). Every worker seeds Keras
 the same way, so both systems start from the same weights and see the same
 data; their losses are printed side by side (they should agree to rounding:
 the sums may be taken in another order).

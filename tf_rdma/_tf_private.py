@@ -60,10 +60,10 @@ def register_order_insensitive_ops():
 # return value, created without a device, is placed on the client. The
 # value then travels from the task that computed it to the client and back
 # before the client fetches it: two more gRPC messages on every call's
-# critical path (seen in the partition graphs of a one-hop function, and
-# 0.3 ms of a 2.5 ms call on the 2-vCPU VM of docs/benchmarks.md;
-# TensorFlow's own path pays the same for any op that must run, e.g. an
-# assign_add on a worker).
+# critical path (seen in the partition graphs of a one-hop function and in
+# its call time, docs/benchmarks-history.md, 2026-12-03; TensorFlow's own
+# path pays the same for any op that must run, e.g. an assign_add on a
+# worker).
 #
 # So the Identity, and the NoOp, go to the device of the value they return.
 # The control edges stay: nothing runs in a different order, and the value
