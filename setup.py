@@ -210,7 +210,11 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["tf_rdma", "tf_rdma.*"]),
+    # graph_passes/ sits at the top of the source tree (design.md: the passes
+    # import nothing from the engine or TensorFlow) and installs as
+    # tf_rdma.graph_passes.
+    packages=find_packages(include=["tf_rdma", "tf_rdma.*"]) + ["tf_rdma.graph_passes"],
+    package_dir={"tf_rdma.graph_passes": "graph_passes"},
     package_data={"tf_rdma": ["_tf_rdma_ops.so", "_tf_rdma_verbs.so",
                               "_build_info.json",
                               "doctor_schema.json"]},

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def copy_package(tmp_path, with_library=True, built_for=None):
+    """Lays tf_rdma out in tmp_path as an install does (graph_passes inside)."""
     dst = tmp_path / "tf_rdma"
-    shutil.copytree(os.path.join(REPO, "tf_rdma"), dst, symlinks=False,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.join(REPO, "tf_rdma"), dst, ignore=ignore)
+    shutil.copytree(os.path.join(REPO, "graph_passes"), dst / "graph_passes", ignore=ignore)
     if not with_library:
         os.remove(dst / _loader.LIBRARY_FILE)
     if built_for is not None:
@@ -61,6 +63,21 @@ def test_import_tf_rdma_loads_neither_tensorflow_nor_the_library(tmp_path):
     proc = run_in_subprocess(copy_package(tmp_path, with_library=False), LIGHT_IMPORTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED []" in proc.stdout, proc.stdout
+
+
+@pytest.mark.fast
+def test_graph_passes_installs_as_tf_rdma_graph_passes(tmp_path):
+    # graph_passes/ is a real directory at the top of the tree (no link inside
+    # tf_rdma/), mapped to tf_rdma.graph_passes by setup.py: in a build, and in
+    # the editable install the tests run against.
+    assert not os.path.lexists(os.path.join(REPO, "tf_rdma", "graph_passes"))
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    built = sorted(os.listdir(tmp_path / "tf_rdma" / "graph_passes"))
+    source = sorted(n for n in os.listdir(os.path.join(REPO, "graph_passes")) if n.endswith(".py"))
+    assert built == source and "plan.py" in built
+    import tf_rdma.graph_passes.plan as plan_module  # pylint: disable=import-outside-toplevel
+    assert os.path.dirname(plan_module.__file__) == os.path.join(REPO, "graph_passes")
 
 
 def test_doctor_reports_a_library_that_does_not_load(tmp_path):
