@@ -55,24 +55,21 @@ of the results; both are reported.
 """
 
 import argparse
-import datetime
-import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-_BENCH = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_BENCH)
-if _BENCH not in sys.path:
-    sys.path.insert(0, _BENCH)
-
-from p2p import (MiB, _loadavg, human_size, human_time,  # noqa: E402
-                 machine_info, parse_size)
+from _harness.children import (add_local_cluster, add_process_arguments,
+                               make_tf_rdma_job, run_processes, work_dir,
+                               worker_env)
+from _harness.report import (Run, print_table, result_entry, save_json,
+                             slowest_rank, verdict, write_json)
+from _harness.units import MiB, human_size, human_time, parse_size
+from _harness.worker import (MWMS, group_cluster, mwms_ring,
+                             set_tf_config)
 
 DEFAULT_SIZES = (MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (MiB, 64 * MiB)
@@ -84,7 +81,6 @@ WARMUP = 2
 
 ALGORITHMS = ("lp", "ring", "tree", "rhd", "auto")
 SYSTEM_KINDS = ("tf_rdma", "mwms", "mpi")
-MWMS = "mwms-ring"
 OPENMPI = "openmpi"
 OP = "allreduce"
 MOD = 251  # the inputs are (i mod MOD) + rank: exact sums in float32
@@ -125,10 +121,7 @@ class _Rank:
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
     def save(self):
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f)
-        os.replace(tmp, self.path)
+        save_json(self.path, self.doc)
 
     def inputs(self, size):
         import numpy as np
@@ -195,7 +188,7 @@ def worker_tf_rdma(args):
     import tf_rdma
     import tf_rdma.collectives as C
 
-    cluster = json.loads(os.environ["BENCH_CLUSTER"])
+    cluster = group_cluster()
     rank, nranks = args.rank, args.nranks
     me = _Rank(args, rank, nranks, "tf_rdma")
     me.doc["info"] = {"tensorflow": tf.__version__,
@@ -254,17 +247,12 @@ def worker_tf_rdma(args):
 def worker_mwms(args):
     import tensorflow as tf
 
-    cluster = json.loads(os.environ["BENCH_CLUSTER"])
     rank, nranks = args.rank, args.nranks
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": cluster, "task": {"type": "worker", "index": rank}})
+    set_tf_config(group_cluster(), rank)
     me = _Rank(args, rank, nranks, "mwms")
     me.doc["info"] = {"tensorflow": tf.__version__}
     me.save()
-    ce = tf.distribute.experimental
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        communication_options=ce.CommunicationOptions(
-            implementation=ce.CommunicationImplementation.RING))
+    strategy = mwms_ring(tf)
     if strategy.num_replicas_in_sync != nranks:
         raise SystemExit(f"MWMS has {strategy.num_replicas_in_sync} "
                          f"replicas, expected {nranks}")
@@ -331,28 +319,6 @@ def worker_main(args):
 # --- orchestrator ---
 
 
-def _free_ports(n):
-    """tf_rdma.cluster.free_ports, or plain free ports if tf_rdma is absent.
-
-    Returns (ports, note): note says why tf_rdma's picker was not used.
-    """
-    try:
-        from tf_rdma.cluster import free_ports
-        return free_ports(n), None
-    except ImportError as err:
-        import socket
-        socks = []
-        try:
-            for _ in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", 0))
-                socks.append(s)
-            return [s.getsockname()[1] for s in socks], str(err)
-        finally:
-            for s in socks:
-                s.close()
-
-
 def _tf_rdma_missing():
     """Why tf_rdma's collectives cannot run here, or None."""
     try:
@@ -383,99 +349,11 @@ def _mpi_missing():
     return None
 
 
-def _stop(procs):
-    """SIGTERM, then SIGKILL, each still running process (by its pid)."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except OSError:
-                pass
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def child_env():
-    """The orchestrator's environment for its children."""
-    env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _REPO not in paths:  # a source checkout works without install
-        env["PYTHONPATH"] = os.pathsep.join([_REPO] + paths)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash shows its stack
-    return env
-
-
-def run_processes(label, cmds, env, out, timeout, verbose=False,
-                  logger=log):
-    """Runs `cmds` side by side under one hard limit.
-
-    Every process writes its output to out/proc<i>.log and its results to
-    out/*.json. When one exits with an error the others get 15 s more (they
-    are likely waiting for it) and are then stopped. Returns (the JSON
-    documents found in `out`, why the run failed or None).
-    """
-    logs, procs = [], []
-    t0 = time.perf_counter()
-    try:
-        for i, cmd in enumerate(cmds):
-            logf = open(os.path.join(out, f"proc{i}.log"), "w")
-            logs.append(logf)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=logf,
-                                          stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout
-        failure = None
-        first_failed = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now > deadline:
-                failure = f"timed out after {timeout:g} s"
-                break
-            bad = [p for p in procs if p.poll() not in (None, 0)]
-            if bad and first_failed is None:
-                first_failed = now
-            if first_failed is not None and now - first_failed > 15:
-                failure = (f"a process exited with status "
-                           f"{bad[0].returncode}; stopped the others")
-                break
-            time.sleep(0.2)
-    finally:
-        _stop(procs)  # also on KeyboardInterrupt: no orphans
-        for f in logs:
-            f.close()
-    codes = [p.returncode for p in procs]
-    if failure is None and any(codes):
-        failure = f"exit status {codes}"
-    docs = []
-    for name in sorted(os.listdir(out)):
-        if name.endswith(".json"):
-            with open(os.path.join(out, name)) as f:
-                docs.append(json.load(f))
-    if failure or verbose:
-        if failure:
-            logger(f"{label}: FAILED ({failure}); last output:")
-        for i in range(len(cmds)):
-            with open(os.path.join(out, f"proc{i}.log")) as f:
-                lines = f.read().splitlines()
-            keep = lines if verbose and not failure else lines[-25:]
-            for line in keep:
-                print(f"    [{label} {i}] {line}", file=sys.stderr)
-    logger(f"{label}: {len(docs)} rank{'s' if len(docs) != 1 else ''} "
-           f"reported, {time.perf_counter() - t0:.1f} s")
-    return docs, failure
-
-
 def run_group(kind, nranks, args, workdir):
     """Runs one system's P processes; returns (per-rank docs, failure)."""
     out = os.path.join(workdir, f"{kind}-P{nranks}")
     os.makedirs(out)
-    env = child_env()
+    env = worker_env()
     worker = [sys.executable, os.path.abspath(__file__), "--worker", kind,
               "--nranks", str(nranks), "--runs", str(args.runs),
               "--out", out, "--sizes"] + [str(s) for s in args.sizes]
@@ -489,19 +367,12 @@ def run_group(kind, nranks, args, workdir):
         cmds = [["mpirun", "--allow-run-as-root", "--oversubscribe",
                  "-n", str(nranks)] + worker]
     else:
-        ports, note = _free_ports(nranks)
-        if note:
-            log(f"tf_rdma.cluster.free_ports unavailable ({note}); using "
-                f"ports the kernel picked")
-        env["BENCH_CLUSTER"] = json.dumps(
-            {"worker": [f"127.0.0.1:{p}" for p in ports]})
+        add_local_cluster(env, nranks, log)
         if kind == "tf_rdma":
-            env.setdefault("TF_RDMA_SECRET", os.urandom(16).hex())
-            if args.transport:
-                env["TF_RDMA_TRANSPORT"] = args.transport
+            make_tf_rdma_job(env, args.transport)
         cmds = [worker + ["--rank", str(r)] for r in range(nranks)]
     return run_processes(f"{kind} P={nranks}", cmds, env, out, args.timeout,
-                         args.verbose)
+                         log, args.verbose)
 
 
 def combine(docs, nranks):
@@ -528,24 +399,13 @@ def combine(docs, nranks):
             per_rank = [d["times"].get(name, {}).get(str(size)) for d in docs]
             if any(not t for t in per_rank):
                 continue  # some rank has no times: the variant failed there
-            runs = min(len(t) for t in per_rank)
-            per_run = [max(t[i] for t in per_rank) for i in range(runs)]
+            per_run = slowest_rank(per_rank)
             rank0 = next(d for d in docs if d["rank"] == 0)
-            results.append({
-                "system": name, "op": OP, "size_bytes": size, "P": nranks,
-                "median_s": statistics.median(per_run),
-                "min_s": min(per_run), "runs": runs,
-                "rank0_median_s": statistics.median(
-                    rank0["times"][name][str(size)][:runs])})
+            results.append(result_entry(
+                name, OP, size, per_run, nranks,
+                rank0_median_s=statistics.median(
+                    rank0["times"][name][str(size)][:len(per_run)])))
     return results, errors
-
-
-def _size_approx(n):
-    """4325504 -> "4.1 MiB" (human_size gives exact units only)."""
-    for unit, scale in (("MiB", MiB), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
 
 
 def busbw(size, nranks, seconds):
@@ -587,14 +447,7 @@ def print_tables(results, sizes, ranks):
             row.append(f"{mpi['median_s'] / best:.2f}x"
                        if best and mpi else "-")
             rows.append(row)
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-        fmt = lambda cells: "  ".join(  # noqa: E731
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths)))
-        print(fmt(header))
-        print(fmt(["-" * w for w in widths]))
-        for row in rows:
-            print(fmt(row))
+        print_table(header, rows)
 
 
 def check_lines(results):
@@ -603,7 +456,7 @@ def check_lines(results):
     size, nranks = 64 * MiB, 2
     best, name = best_tf_rdma(by, size, nranks)
     if best is None:
-        return [f"64 MiB, P=2: no tf_rdma result, no verdict"]
+        return ["64 MiB, P=2: no tf_rdma result, no verdict"]
     lines = []
     for system, target in ((MWMS, TARGET_VS_MWMS), (OPENMPI, TARGET_VS_MPI)):
         r = by.get((system, size, nranks))
@@ -616,20 +469,12 @@ def check_lines(results):
         x = r["median_s"] / best
         lines.append(f"64 MiB, P=2: tf_rdma best ({name}) {human_time(best)}"
                      f" vs {system} {human_time(r['median_s'])}: {x:.2f}x "
-                     f"(target >= {target:g}x): "
-                     f"{'met' if x >= target else 'MISSED'}{ref}")
+                     f"(target >= {target:g}x): {verdict(x >= target)}{ref}")
     return lines
 
 
 def orchestrate(args):
-    started = time.perf_counter()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")
-    machine = machine_info()
-    load_start = _loadavg()
-    if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
-        log(f"note: the machine is busy (load average {load_start[0]:.1f} "
-            f"on {os.cpu_count()} cores); other work skews the numbers")
+    run = Run("allreduce", log)
     skipped = {}
     if "mpi" in args.systems:
         why = _mpi_missing()
@@ -642,8 +487,7 @@ def orchestrate(args):
     for kind, why in skipped.items():
         log(f"skipping {kind}: {why}")
     results, errors, failed, info, auto = [], [], [], {}, {}
-    workdir = tempfile.mkdtemp(prefix="tf_rdma_allreduce_")
-    try:
+    with work_dir("tf_rdma_allreduce_", args.keep, log) as workdir:
         for nranks in args.ranks:
             for kind in args.systems:
                 if kind in skipped:
@@ -668,11 +512,6 @@ def orchestrate(args):
                     log(f"  {r['system']} {human_size(r['size_bytes'])}: "
                         f"{human_time(r['median_s'])} (min "
                         f"{human_time(r['min_s'])})")
-    finally:
-        if args.keep:
-            log(f"worker logs and files kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     order = {s: i for i, s in enumerate(
         system_names("tf_rdma", ALGORITHMS) + [MWMS, OPENMPI])}
     results.sort(key=lambda r: (r["P"], r["size_bytes"],
@@ -680,10 +519,9 @@ def orchestrate(args):
     for kind in SYSTEM_KINDS:
         for key, value in (info.get(kind) or {}).items():
             if key != "transport":
-                machine.setdefault(key, value)
-    print(f"allreduce benchmark, {date}; {machine['cpu_model']}, "
-          f"{machine['cores']} cores; runs={args.runs} after {WARMUP} "
-          f"warm-up; time of a run = slowest rank")
+                run.machine.setdefault(key, value)
+    print(f"{run.headline('allreduce benchmark')}; runs={args.runs} after "
+          f"{WARMUP} warm-up; time of a run = slowest rank")
     print_tables(results, args.sizes, args.ranks)
     print()
     for nranks, picked in auto.items():
@@ -691,7 +529,7 @@ def orchestrate(args):
         if isinstance(choice, dict):
             print(f"auto at P={nranks} chose: " + ", ".join(
                 f"{human_size(int(size))} {alg} (blocks of "
-                f"{_size_approx(int(block))})"
+                f"{human_size(int(block), exact=False)})"
                 for size, (alg, block) in choice.items()))
     for kind, why in skipped.items():
         print(f"skipped {kind}: {why}")
@@ -702,39 +540,26 @@ def orchestrate(args):
         print(f"FAILED {f['system']} P={f['P']}: {f['why']}")
     for line in check_lines(results):
         print("check: " + line)
-    elapsed = time.perf_counter() - started
-    load_end = _loadavg()
-    print(f"total time {elapsed:.0f} s; load average at start "
-          f"{load_start[0] if load_start else '?'}, at end "
-          f"{load_end[0] if load_end else '?'} ({os.cpu_count()} cores)")
+    run.finish()
     if args.json:
-        doc = {"bench": "allreduce", "date": date, "machine": machine,
-               "config": {"runs": args.runs, "warmup": WARMUP,
-                          "sizes": list(args.sizes),
-                          "ranks": list(args.ranks),
-                          "algorithms": list(args.algorithms),
-                          "systems": list(args.systems),
-                          "transport": args.transport or os.environ.get(
-                              "TF_RDMA_TRANSPORT", "auto"),
-                          "timing": "per run the max over ranks of the "
-                                    "call time after a 4-byte sync; "
-                                    "median/min over runs",
-                          "mpirun": "mpirun --allow-run-as-root "
-                                    "--oversubscribe -n P",
-                          "calibrate": args.calibrate,
-                          "block_bytes": args.block_bytes,
-                          "auto": auto,
-                          "skipped": skipped, "failed": failed,
-                          "errors": errors,
-                          "loadavg_start": load_start,
-                          "loadavg_end": load_end,
-                          "elapsed_s": round(elapsed, 1)},
-               "results": results}
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        config = {"runs": args.runs, "warmup": WARMUP,
+                  "sizes": list(args.sizes),
+                  "ranks": list(args.ranks),
+                  "algorithms": list(args.algorithms),
+                  "systems": list(args.systems),
+                  "transport": args.transport or os.environ.get(
+                      "TF_RDMA_TRANSPORT", "auto"),
+                  "timing": "per run the max over ranks of the call time "
+                            "after a 4-byte sync; median/min over runs",
+                  "mpirun": "mpirun --allow-run-as-root --oversubscribe "
+                            "-n P",
+                  "calibrate": args.calibrate,
+                  "block_bytes": args.block_bytes,
+                  "auto": auto,
+                  "skipped": skipped, "failed": failed,
+                  "errors": errors,
+                  **run.timing()}
+        write_json(args.json, run.document(config, results))
         print(f"wrote {args.json}")
     return 1 if failed or errors else 0
 
@@ -787,20 +612,6 @@ def build_parser():
                              "(default 900; --quick 300)")
     add_process_arguments(parser, SYSTEM_KINDS)
     return parser
-
-
-def add_process_arguments(parser, systems):
-    """--keep, --verbose and the internal arguments of one worker process
-    (shared with bench/train.py)."""
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the workers' logs and result files")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show the workers' output")
-    # Internal: one rank of one system.
-    parser.add_argument("--worker", choices=systems, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--nranks", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
 
 
 def main(argv=None):

@@ -55,21 +55,16 @@ the preallocated regions stay small
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+from _harness.children import child_env, emit_result, run_child
+from _harness.report import (Run, print_table, result_entry, verdict,
+                             write_json)
+from _harness.units import KiB, MiB, human_size, human_time, parse_size
 
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (4 * KiB, MiB, 64 * MiB)
@@ -91,42 +86,8 @@ TARGET_64M_VS_GRPC = 5.0
 TARGET_64M_OF_MEMCPY = 0.60
 TARGET_4K_VS_GRPC = 10.0
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 # --- helpers ---
-
-
-def parse_size(text):
-    """Parses "4096", "4K", "4KiB", "64k", "1M", "256MiB", "1G" into bytes."""
-    m = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if m is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (examples: 4096, 4K, 64KiB, 16M, 1G)")
-    value = int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": GiB}[
-        m.group(2).lower()]
-    if value <= 0 or value % 4:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} must be a positive multiple of 4 bytes (the "
-            f"tensor is float32)")
-    return value
-
-
-def human_size(n):
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
-
-
-def human_time(s):
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
 
 
 def gbps(nbytes, seconds):
@@ -147,9 +108,8 @@ def log(message):
 
 
 def result(system, op, size, times):
-    return {"system": system, "op": op, "size_bytes": int(size), "P": 2,
-            "median_s": statistics.median(times), "min_s": min(times),
-            "runs": len(times)}
+    """A ``results`` entry of a transfer between the 2 tasks."""
+    return result_entry(system, op, size, times, 2)
 
 
 # --- client ---
@@ -296,7 +256,7 @@ def client_main(args):
         "grpc_chain_check": chain_check,
         "results": results,
     }
-    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    emit_result(RESULT_PREFIX, out)
     return 0
 
 
@@ -349,74 +309,10 @@ def measure_memcpy(size, runs):
     return times
 
 
-def machine_info():
-    info = {"cores": os.cpu_count(),
-            "memory_bytes": None, "kernel": platform.release(),
-            "os": platform.platform(), "python": platform.python_version(),
-            "hostname": platform.node()}
-    fields = {"model name": "cpu_model", "cpu family": "cpu_family",
-              "model": "cpu_model_number", "cpu MHz": "cpu_mhz"}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in fields:
-                    info[fields[key]] = value.strip()
-                if not line.strip():
-                    break  # the first processor is enough
-    except OSError:
-        pass
-    info.setdefault("cpu_model", "unknown")
-    for name in ("enabled", "shmem_enabled"):
-        try:
-            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
-                info[f"thp_{name}"] = f.read().strip()
-        except OSError:
-            pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["memory_bytes"] = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    try:
-        import numpy
-        info["numpy"] = numpy.__version__
-    except ImportError:
-        pass
-    info["rdma_devices"] = sorted(os.listdir("/sys/class/infiniband")) if \
-        os.path.isdir("/sys/class/infiniband") else []
-    return info
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _pump(stream, sink, echo, tail):
-    for line in iter(stream.readline, ""):
-        if sink is not None:
-            sink.append(line)
-        text = line.rstrip("\n")
-        tail.append(text)
-        if echo(text):
-            print(text, file=sys.stderr, flush=True)
-    stream.close()
-
-
 def run_cluster(transport, args):
     """Runs the client in a 2-task cluster on `transport`; returns its JSON."""
-    env = dict(os.environ)
+    env = child_env()
     env["TF_RDMA_TRANSPORT"] = transport
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _REPO not in paths:  # so that a source checkout works without install
-        env["PYTHONPATH"] = os.pathsep.join([_REPO] + paths)
     client = [sys.executable, os.path.abspath(__file__), "--client",
               "--transport", transport, "--runs", str(args.runs),
               "--sizes"] + [str(s) for s in args.sizes]
@@ -431,60 +327,12 @@ def run_cluster(transport, args):
     log(f"{transport}: starting a 2-task cluster "
         f"(TF_RDMA_TRANSPORT={transport})")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    stdout_lines = []
-    tail = collections.deque(maxlen=60)
-    echo_all = args.verbose
-
-    def echo(text):
-        return echo_all or text.startswith(LOG_PREFIX) or (
-            text.startswith("tf-rdma launch: cluster ready"))
-
-    threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, stdout_lines,
-                                             lambda t: echo_all, tail),
-                         daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, None, echo, tail),
-                         daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        log(f"{transport}: no result after {args.timeout:g} s; stopping the "
-            f"cluster")
-        proc.send_signal(signal.SIGTERM)  # the launcher tears everything down
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # its children get SIGTERM (parent-death signal)
-            proc.wait()
-    except KeyboardInterrupt:
-        # The launcher got the SIGINT too and is tearing the cluster down.
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    for t in threads:
-        t.join(5)
-    found = [l for l in stdout_lines if l.startswith(RESULT_PREFIX)]
-    if timed_out or proc.returncode != 0 or not found:
-        why = ("timed out" if timed_out else
-               f"exit status {proc.returncode}" if proc.returncode else
-               "no result line")
-        print(f"{LOG_PREFIX}{transport}: the cluster run failed ({why}); its "
-              f"last output lines:", file=sys.stderr)
-        for line in tail:
-            print("    " + line, file=sys.stderr)
-        return None
-    log(f"{transport}: done in {time.perf_counter() - t0:.1f} s")
-    return json.loads(found[-1][len(RESULT_PREFIX):])
+    _, out = run_child(transport, cmd, env, timeout=args.timeout,
+                       verbose=args.verbose, log=log, log_prefix=LOG_PREFIX,
+                       result_prefix=RESULT_PREFIX)
+    if out is not None:
+        log(f"{transport}: done in {time.perf_counter() - t0:.1f} s")
+    return out
 
 
 def print_tables(results, sizes):
@@ -521,14 +369,7 @@ def print_tables(results, sizes):
             row.append(f"{100 * mem['median_s'] / shm['median_s']:.0f}%"
                        if shm and mem else "-")
             rows.append(row)
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-        fmt = lambda cells: "  ".join(  # noqa: E731
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths)))
-        print(fmt(header))
-        print(fmt(["-" * w for w in widths]))
-        for row in rows:
-            print(fmt(row))
+        print_table(header, rows)
 
 
 def marginal_hops(results, hops_by_size):
@@ -590,9 +431,6 @@ def check_lines(results, marginals=()):
     by = {(r["system"], r["op"], r["size_bytes"]): r["median_s"]
           for r in results}
 
-    def verdict(ok):
-        return "met" if ok else "MISSED"
-
     def get(system, size):
         return by.get((system, "p2p", size))
 
@@ -640,14 +478,7 @@ def check_lines(results, marginals=()):
 
 
 def orchestrate(args):
-    started = time.perf_counter()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")
-    machine = machine_info()
-    load_start = _loadavg()
-    if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
-        log(f"note: the machine is busy (load average {load_start[0]:.1f} "
-            f"on {os.cpu_count()} cores); other work skews the numbers")
+    run = Run("p2p", log)
     results = []
     # memcpy is measured before and after the cluster runs (half the runs
     # each, no cluster running), so that a slow phase of the machine shows in
@@ -665,15 +496,15 @@ def orchestrate(args):
         clients[transport] = out
         results.extend(out["results"])
         for key in ("tensorflow", "tf_rdma"):
-            machine.setdefault(key, out.get(key))
+            run.machine.setdefault(key, out.get(key))
     for size in args.sizes:
         memcpy[size] += measure_memcpy(size, args.runs // 2 or 1)
         results.append(result("memcpy", "p2p", size, memcpy[size]))
     order = {s: i for i, s in enumerate(SYSTEMS)}
     results.sort(key=lambda r: (OPS.index(r["op"]), r["size_bytes"],
                                 order.get(r["system"], 99)))
-    print(f"p2p benchmark, {date}; {machine['cpu_model']}, "
-          f"{machine['cores']} cores; runs={args.runs} after {WARMUP} warm-up")
+    print(f"{run.headline('p2p benchmark')}; runs={args.runs} after {WARMUP} "
+          f"warm-up")
     print_tables(results, args.sizes)
     chain = next(iter(clients.values()), {}).get("config", {})
     marginals = marginal_hops(
@@ -689,32 +520,20 @@ def orchestrate(args):
     print()
     for line in check_lines(results, marginals):
         print("check: " + line)
-    elapsed = time.perf_counter() - started
-    load_end = _loadavg()
-    print(f"total time {elapsed:.0f} s; load average at start "
-          f"{load_start[0] if load_start else '?'}, at end "
-          f"{load_end[0] if load_end else '?'} ({os.cpu_count()} cores)")
+    run.finish()
     if args.json:
-        doc = {"bench": "p2p", "date": date, "machine": machine,
-               "config": {"runs": args.runs, "warmup": WARMUP,
-                          "sizes": list(args.sizes),
-                          "transports": list(args.transports),
-                          "match_calls": not args.in_order,
-                          "chain": chain,
-                          "grpc_chain_check": clients.get("shm", {}).get(
-                              "grpc_chain_check", []),
-                          "memcpy": "numpy.copyto into a preallocated "
-                                    "array, one thread",
-                          "loadavg_start": load_start,
-                          "loadavg_end": load_end,
-                          "elapsed_s": round(elapsed, 1)},
-               "results": results,
-               "marginal_hops": marginals}
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        config = {"runs": args.runs, "warmup": WARMUP,
+                  "sizes": list(args.sizes),
+                  "transports": list(args.transports),
+                  "match_calls": not args.in_order,
+                  "chain": chain,
+                  "grpc_chain_check": clients.get("shm", {}).get(
+                      "grpc_chain_check", []),
+                  "memcpy": "numpy.copyto into a preallocated array, one "
+                            "thread",
+                  **run.timing()}
+        write_json(args.json, run.document(config, results,
+                                           marginal_hops=marginals))
         print(f"wrote {args.json}")
     if failed:
         print(f"FAILED: the {', '.join(failed)} cluster run(s) gave no "

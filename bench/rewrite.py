@@ -43,21 +43,19 @@ bench/README.md.
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-MiB = 1024 * 1024
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(_REPO, "examples")
+from _harness.children import REPO, child_env, emit_result, run_child
+from _harness.report import (Run, loadavg, print_table, result_entry,
+                             verdict, write_json)
+from _harness.units import MiB, human_time
+
+EXAMPLES = os.path.join(REPO, "examples")
 
 LOG_PREFIX = "[rewrite] "
 RESULT_PREFIX = "REWRITE_RESULTS "
@@ -76,47 +74,6 @@ QUICK_PLAN_RUNS = 3
 
 def log(message):
     print(LOG_PREFIX + message, file=sys.stderr, flush=True)
-
-
-def human_time(s):
-    if s is None:
-        return "-"
-    if s < 0:
-        return "-" + human_time(-s)
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
-
-
-def loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def machine_info():
-    """The machine, as bench/p2p.py records it."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        from p2p import machine_info as p2p_machine_info
-        return p2p_machine_info()
-    except Exception:  # noqa: BLE001 - a bare record is better than none
-        return {"cores": os.cpu_count(), "kernel": platform.release(),
-                "python": platform.python_version(),
-                "hostname": platform.node(), "cpu_model": "unknown"}
-    finally:
-        sys.path.pop(0)
-
-
-def result(system, op, size, times, P, **extra):
-    doc = {"system": system, "op": op, "size_bytes": int(size), "P": int(P),
-           "median_s": statistics.median(times), "min_s": min(times),
-           "runs": len(times)}
-    doc.update(extra)
-    return doc
 
 
 # --- the synthetic graph and the planning client ---
@@ -258,7 +215,7 @@ def plan_client(args):
     results = []
     for op, pairs in samples.items():
         walls = [w for w, _ in pairs]
-        results.append(result(
+        results.append(result_entry(
             "graph_passes" if op != "import_graph_def" else "tensorflow",
             op, len(data), walls, len(tasks), nodes=len(graph_def.node),
             cpu_median_s=statistics.median(c for _, c in pairs)))
@@ -272,81 +229,20 @@ def plan_client(args):
                      "rewritten_nodes": len(rewritten.node),
                      "build_s": round(build_s, 3)},
            "tensorflow": tf.__version__}
-    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    emit_result(RESULT_PREFIX, out)
     return 0
 
 
 # --- the orchestrator ---
 
 
-def _pump(stream, sink, echo, tail):
-    for line in iter(stream.readline, ""):
-        if sink is not None:
-            sink.append(line)
-        text = line.rstrip("\n")
-        tail.append(text)
-        if echo(text):
-            print(text, file=sys.stderr, flush=True)
-    stream.close()
-
-
-def run_child(label, cmd, env, timeout, verbose):
-    """Runs ``cmd``; returns (exit status or None on timeout, stdout lines)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    stdout_lines = []
-    tail = collections.deque(maxlen=60)
-
-    def echo_err(text):
-        return verbose or text.startswith(LOG_PREFIX) or text.startswith(
-            "tf-rdma launch: cluster ready")
-
-    threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, stdout_lines,
-                                             lambda t: verbose, tail),
-                         daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, None, echo_err,
-                                             tail), daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    status = None
-    try:
-        status = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"{label}: no result after {timeout:g} s; stopping it")
-        proc.send_signal(signal.SIGTERM)  # the launcher tears the cluster down
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    except KeyboardInterrupt:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    for t in threads:
-        t.join(5)
-    if status is None or status != 0:
-        why = "timed out" if status is None else f"exit status {status}"
-        print(f"{LOG_PREFIX}{label}: failed ({why}); its last output lines:",
-              file=sys.stderr)
-        for line in tail:
-            print("    " + line, file=sys.stderr)
-    return status, stdout_lines
-
-
-def child_env(transport=None):
-    env = dict(os.environ)
+def _child_env(transport=None):
+    """The children's environment: no TF_CONFIG of the caller's, the
+    servers on ``transport`` when given, TensorFlow's INFO logs off."""
+    env = child_env()
     env.pop("TF_CONFIG", None)
     if transport:
         env["TF_RDMA_TRANSPORT"] = transport
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _REPO not in paths:  # so that a source checkout works without install
-        env["PYTHONPATH"] = os.pathsep.join([_REPO] + paths)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
@@ -356,12 +252,10 @@ def run_plan(args):
         f"{args.plan_runs} runs")
     cmd = [sys.executable, os.path.abspath(__file__), "--plan-client",
            "--nodes", str(args.nodes), "--plan-runs", str(args.plan_runs)]
-    status, lines = run_child("plan", cmd, child_env(), args.timeout,
-                              args.verbose)
-    found = [l for l in lines if l.startswith(RESULT_PREFIX)]
-    if status != 0 or not found:
-        return None
-    return json.loads(found[-1][len(RESULT_PREFIX):])
+    _, out = run_child("plan", cmd, _child_env(), timeout=args.timeout,
+                       verbose=args.verbose, log=log, log_prefix=LOG_PREFIX,
+                       result_prefix=RESULT_PREFIX)
+    return out
 
 
 EXAMPLE_RUNS = {
@@ -390,8 +284,9 @@ def run_example(kind, args):
             f"`tf-rdma launch {' '.join(launch_args)}` cluster "
             f"(TF_RDMA_TRANSPORT={args.transport})")
         t0 = time.perf_counter()
-        status, _ = run_child(op, cmd, child_env(args.transport),
-                              args.timeout, args.verbose)
+        status, _ = run_child(op, cmd, _child_env(args.transport),
+                              timeout=args.timeout, verbose=args.verbose,
+                              log=log, log_prefix=LOG_PREFIX)
         try:
             with open(out_path) as f:
                 doc = json.load(f)
@@ -407,11 +302,12 @@ def run_example(kind, args):
     for system in SYSTEMS:
         times = doc["step_times_s"].get(system)
         if times:
-            rows.append(result(system, op, size, times[WARMUP:], tasks))
+            rows.append(result_entry(system, op, size, times[WARMUP:],
+                                     tasks))
     return {"op": op, "results": rows, "example": doc}
 
 
-def print_table(results):
+def print_tables(results):
     steps = [r for r in results if r["op"].endswith("-step")]
     if steps:
         print()
@@ -435,7 +331,7 @@ def print_table(results):
             row.append(human_time(g - l) if g and l else "-")
             row.append(human_time(t - l) if t and l else "-")
             rows.append(row)
-        _print_rows(header, rows)
+        print_table(header, rows)
     plans = [r for r in results if not r["op"].endswith("-step")]
     if plans:
         print()
@@ -445,29 +341,13 @@ def print_table(results):
         rows = [[r["op"], f"{human_time(r['median_s'])} "
                  f"({human_time(r['min_s'])})",
                  human_time(r.get("cpu_median_s"))] for r in plans]
-        _print_rows(header, rows)
-
-
-def _print_rows(header, rows):
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-
-    def fmt(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-    print(fmt(header))
-    print(fmt(["-" * w for w in widths]))
-    for row in rows:
-        print(fmt(row))
+        print_table(header, rows)
 
 
 def check_lines(results):
     """The issue's targets, as printable lines (never asserted)."""
     by = {(r["system"], r["op"]): r["median_s"] for r in results}
     lines = []
-
-    def verdict(ok):
-        return "met" if ok else "MISSED"
-
     g, t, l = (by.get((s, "ps-step")) for s in ("grpc", "tf_rdma", "local"))
     if g and t:
         x = g / t
@@ -491,14 +371,7 @@ def check_lines(results):
 
 
 def orchestrate(args):
-    started = time.perf_counter()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")
-    machine = machine_info()
-    load_start = loadavg()
-    if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
-        log(f"note: the machine is busy (load average {load_start[0]:.1f} "
-            f"on {os.cpu_count()} cores); other work skews the numbers")
+    run = Run("rewrite", log)
     results, failed, examples, graph = [], [], {}, None
     load_per_part = {}
     for part in args.only:
@@ -509,7 +382,7 @@ def orchestrate(args):
                 continue
             results.extend(out["results"])
             graph = out["graph"]
-            machine.setdefault("tensorflow", out.get("tensorflow"))
+            run.machine.setdefault("tensorflow", out.get("tensorflow"))
         else:
             out = run_example(part, args)
             if out is None:
@@ -527,10 +400,9 @@ def orchestrate(args):
                 failed.append(f"{out['op']} (losses differ)")
         load_per_part[part] = loadavg()
 
-    load_end = loadavg()
-    print(f"rewrite benchmark, {date}; {machine.get('cpu_model')}, "
-          f"{machine.get('cores')} cores; TF_RDMA_TRANSPORT={args.transport}")
-    print_table(results)
+    print(f"{run.headline('rewrite benchmark')}; "
+          f"TF_RDMA_TRANSPORT={args.transport}")
+    print_tables(results)
     for op, ex in examples.items():
         print(f"{op}: losses bit-identical gRPC vs tf_rdma: "
               f"{ex['losses_identical']}; test accuracy "
@@ -542,25 +414,16 @@ def orchestrate(args):
     print()
     for line in check_lines(results):
         print("check: " + line)
-    elapsed = time.perf_counter() - started
-    print(f"total time {elapsed:.0f} s; load average at start "
-          f"{load_start[0] if load_start else '?'}, at end "
-          f"{load_end[0] if load_end else '?'} ({os.cpu_count()} cores)")
+    run.finish()
     if args.json:
-        doc = {"bench": "rewrite", "date": date, "machine": machine,
-               "config": {"warmup": WARMUP, "transport": args.transport,
-                          "only": list(args.only),
-                          "examples": examples, "plan_graph": graph,
-                          "loadavg_start": load_start,
-                          "loadavg_after": load_per_part,
-                          "loadavg_end": load_end,
-                          "elapsed_s": round(elapsed, 1)},
-               "results": results}
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        config = {"warmup": WARMUP, "transport": args.transport,
+                  "only": list(args.only),
+                  "examples": examples, "plan_graph": graph,
+                  "loadavg_start": run.load_start,
+                  "loadavg_after": load_per_part,
+                  "loadavg_end": run.load_end,
+                  "elapsed_s": round(run.elapsed_s, 1)}
+        write_json(args.json, run.document(config, results))
         print(f"wrote {args.json}")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)

@@ -74,10 +74,8 @@ always).
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
 import secrets
 import signal
 import socket
@@ -87,10 +85,13 @@ import tempfile
 import threading
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS_DIR = os.path.join(_REPO, "bench", "results")
+from _harness import report
+from _harness.children import REPO, child_env
+from _harness.report import loadavg, save_json, utc_now, write_json
+from _harness.units import MiB
+
+RESULTS_DIR = os.path.join(REPO, "bench", "results")
 LOG_PREFIX = "[soak] "
-MiB = 1024 * 1024
 
 # --- the traffic: sizes, keys, and the checksum (shared by both sides) ---
 
@@ -375,10 +376,7 @@ def client(args):
     def save(steps_done, elapsed, first_call_s, error=None):
         doc.update(steps_done=steps_done, elapsed_s=round(elapsed, 3),
                    first_call_s=round(first_call_s, 3), error=error)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, args.out)
+        save_json(args.out, doc)
 
     t0 = time.perf_counter()
     first_call_s = 0.0
@@ -481,13 +479,10 @@ def die_with_parent():
         pass
 
 
-def child_env(transport, op_timeout, secret):
+def task_env(transport, op_timeout, secret):
     """The environment of the servers and the client."""
-    env = dict(os.environ)
+    env = child_env()
     env.pop("TF_CONFIG", None)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _REPO not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([_REPO] + paths)
     env["TF_RDMA_TRANSPORT"] = transport
     env["TF_RDMA_TIMEOUT"] = str(op_timeout)
     env["TF_RDMA_SECRET"] = secret
@@ -585,7 +580,7 @@ def run_transport(transport, args, log_dir):
     The client starts with the servers and imports TensorFlow while they
     start; it connects when the orchestrator writes the ready file.
     """
-    env = child_env(transport, args.op_timeout, secrets.token_hex(16))
+    env = task_env(transport, args.op_timeout, secrets.token_hex(16))
     servers = Servers(transport, env, log_dir)
     client_proc = None
     raw = None
@@ -812,16 +807,10 @@ def evaluate(raw, args):
 
 
 def machine_info():
-    """The machine, as bench/p2p.py records it (plus TensorFlow's version)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        from p2p import machine_info as p2p_machine_info
-        info = p2p_machine_info()
-    except Exception:  # noqa: BLE001 - a bare record is better than none
-        info = {"cores": os.cpu_count(), "kernel": platform.release(),
-                "python": platform.python_version(), "hostname": platform.node()}
-    finally:
-        sys.path.pop(0)
+    """The machine, as every bench records it, plus TensorFlow's version
+    (read from the installed package: the orchestrator does not import it)
+    and the size of /dev/shm."""
+    info = report.machine_info()
     try:
         from importlib import metadata
         for dist in ("tensorflow-cpu", "tensorflow"):
@@ -893,12 +882,6 @@ def _draw(plt, raw, summary, path):
     return path
 
 
-def write_json(path, doc):
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-
-
 def replot(json_paths):
     """Draws the PNG of each soak JSON again, next to it; returns the exit status."""
     for path in json_paths:
@@ -959,13 +942,13 @@ def orchestrate(args):
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
     machine = machine_info()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = utc_now()
     out_dir = args.out_dir
     os.makedirs(out_dir, exist_ok=True)
     ok = True
     with tempfile.TemporaryDirectory(prefix="tf_rdma_soak_") as log_dir:
         for transport in transports:
-            load_start = os.getloadavg()
+            load_start = loadavg()
             raw = run_transport(transport, args, log_dir)
             if raw is None or not raw.get("samples"):
                 print(f"soak over {transport}: FAIL: no results (see the "
@@ -997,21 +980,21 @@ def orchestrate(args):
                               "dtype": "int64"},
                     "plan": raw.get("plan"), "pids": raw.get("pids"),
                     "server_exit": raw.get("server_exit"),
-                    "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                    "loadavg_start": load_start,
+                    "loadavg_end": loadavg(),
                     "wall_s": raw.get("wall_s"),
                     "phases_s": raw.get("phases_s"),
-                    "command": " ".join([os.path.relpath(sys.argv[0], _REPO)]
+                    "command": " ".join([os.path.relpath(sys.argv[0], REPO)]
                                         + sys.argv[1:]),
                 },
                 "summary": summary,
                 "samples": raw["samples"],
             }
             doc["plot"] = None
-            write_json(json_path, doc)  # first: a failing plot loses nothing
+            write_json(json_path, doc, indent=1)  # first: a failing plot loses nothing
             if not args.no_plot:
                 doc["plot"] = plot(raw, summary, png_path)
-                write_json(json_path, doc)
+                write_json(json_path, doc, indent=1)
             print_summary(summary)
             print(f"  wrote {shown_path(json_path)}"
                   + (f" and {shown_path(doc['plot'])}" if doc["plot"] else ""))

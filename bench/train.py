@@ -60,24 +60,20 @@ samples/s = P x per-replica batch / median step time.
 """
 
 import argparse
-import datetime
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
-_BENCH = os.path.dirname(os.path.abspath(__file__))
-if _BENCH not in sys.path:
-    sys.path.insert(0, _BENCH)
+from _harness.children import (add_local_cluster, add_process_arguments,
+                               make_tf_rdma_job, run_processes, work_dir,
+                               worker_env)
+from _harness.report import (Run, print_table, result_entry, save_json,
+                             slowest_rank, verdict, write_json)
+from _harness.units import human_time
+from _harness.worker import (MWMS, group_cluster, mwms_ring,
+                             set_tf_config)
 
-from allreduce import (  # noqa: E402
-    _free_ports, add_process_arguments, child_env, run_processes)
-from p2p import _loadavg, human_time, machine_info  # noqa: E402
-
-MWMS = "mwms-ring"
 SYSTEM_KINDS = ("mwms", "tf_rdma", "tf_rdma_dense", "local")
 DEFAULT_SYSTEMS = ("mwms", "tf_rdma", "local")
 EMBEDDING_SYSTEMS = ("mwms", "tf_rdma", "tf_rdma_dense", "local")
@@ -137,9 +133,7 @@ def system_name(kind, algorithm):
 def worker_main(args):
     rank, nranks = args.rank, args.nranks
     if args.worker != "local":
-        cluster = json.loads(os.environ["BENCH_CLUSTER"])
-        os.environ["TF_CONFIG"] = json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": rank}})
+        set_tf_config(group_cluster(), rank)
     import numpy as np
     import tensorflow as tf
     import keras
@@ -151,19 +145,13 @@ def worker_main(args):
     path = os.path.join(args.out, f"rank{rank}.json")
 
     def save():
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
+        save_json(path, doc)
 
     save()
     if args.worker == "local":
         strategy = tf.distribute.get_strategy()  # the default: one replica
     elif args.worker == "mwms":
-        ce = tf.distribute.experimental
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            communication_options=ce.CommunicationOptions(
-                implementation=ce.CommunicationImplementation.RING))
+        strategy = mwms_ring(tf)
     else:
         import tf_rdma
         from tf_rdma.distribute import RdmaStrategy
@@ -272,17 +260,10 @@ def run_system(kind, args, workdir):
     nranks = 1 if kind == "local" else args.ranks
     out = os.path.join(workdir, name)
     os.makedirs(out)
-    env = child_env()
-    ports, note = _free_ports(nranks)
-    if note:
-        log(f"tf_rdma.cluster.free_ports unavailable ({note}); using ports "
-            f"the kernel picked")
-    env["BENCH_CLUSTER"] = json.dumps(
-        {"worker": [f"127.0.0.1:{p}" for p in ports]})
+    env = worker_env()
+    add_local_cluster(env, nranks, log)
     if kind in ("tf_rdma", "tf_rdma_dense"):
-        env.setdefault("TF_RDMA_SECRET", os.urandom(16).hex())
-        if args.transport:
-            env["TF_RDMA_TRANSPORT"] = args.transport
+        make_tf_rdma_job(env, args.transport)
     worker = [sys.executable, os.path.abspath(__file__), "--worker", kind,
               "--nranks", str(nranks), "--out", out,
               "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -297,8 +278,8 @@ def run_system(kind, args, workdir):
         worker += ["--bucket-bytes", str(args.bucket_bytes)]
     cmds = [worker + ["--rank", str(r)] for r in range(nranks)]
     log(f"{name}: starting {nranks} worker{'s' if nranks > 1 else ''}")
-    docs, failure = run_processes(name, cmds, env, out, args.timeout,
-                                  args.verbose, logger=log)
+    docs, failure = run_processes(name, cmds, env, out, args.timeout, log,
+                                  args.verbose)
     return name, nranks, docs, failure
 
 
@@ -307,34 +288,24 @@ def combine(name, nranks, docs, args, grad_bytes):
     if len(docs) < nranks or not all(d["done"] for d in docs):
         return None
     per_rank = [d["step_times"][args.warmup:] for d in docs]
-    runs = min(len(s) for s in per_rank)
-    if runs < 1:
+    per_step = slowest_rank(per_rank)
+    if not per_step:
         return None
-    per_step = [max(s[i] for s in per_rank) for i in range(runs)]
     median = statistics.median(per_step)
     rank0 = next(d for d in docs if d["rank"] == 0)
     global_batch = args.batch * nranks
     payload = rank0.get("info", {}).get("payload_bytes")
-    return {"system": name, "op": OP,
-            "size_bytes": payload if payload is not None else grad_bytes,
-            "payload_bytes_per_rank": payload,
-            "P": nranks, "median_s": median, "min_s": min(per_step),
-            "runs": runs, "samples_per_s": global_batch / median,
-            "global_batch": global_batch,
-            "rank0_median_s": statistics.median(per_rank[0]),
-            "first_loss": rank0["losses"][0] if rank0["losses"] else None,
-            "last_loss": rank0["losses"][-1] if rank0["losses"] else None}
+    return result_entry(
+        name, OP, payload if payload is not None else grad_bytes, per_step,
+        nranks, payload_bytes_per_rank=payload,
+        samples_per_s=global_batch / median, global_batch=global_batch,
+        rank0_median_s=statistics.median(per_rank[0]),
+        first_loss=rank0["losses"][0] if rank0["losses"] else None,
+        last_loss=rank0["losses"][-1] if rank0["losses"] else None)
 
 
 def orchestrate(args):
-    started = time.perf_counter()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")
-    machine = machine_info()
-    load_start = _loadavg()
-    if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
-        log(f"note: the machine is busy (load average {load_start[0]:.1f} "
-            f"on {os.cpu_count()} cores); other work skews the numbers")
+    run = Run("train", log)
     model_text, params = describe_model(args)
     grad_bytes = params * 4
     log(f"model {model_text}: {params / 1e6:.1f} M parameters, "
@@ -352,8 +323,7 @@ def orchestrate(args):
     for kind, why in skipped.items():
         log(f"skipping {kind}: {why}")
     results, failed, info, losses = [], [], {}, {}
-    workdir = tempfile.mkdtemp(prefix="tf_rdma_train_")
-    try:
+    with work_dir("tf_rdma_train_", args.keep, log) as workdir:
         for kind in args.systems:
             if kind in skipped:
                 continue
@@ -372,19 +342,14 @@ def orchestrate(args):
             log(f"  {name}: {human_time(r['median_s'])} per step (min "
                 f"{human_time(r['min_s'])}), {r['samples_per_s']:.1f} "
                 f"samples/s")
-    finally:
-        if args.keep:
-            log(f"worker logs and files kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     for kind in SYSTEM_KINDS:
         for key, value in (info.get(kind) or {}).items():
             if key != "params":
-                machine.setdefault(key, value)
+                run.machine.setdefault(key, value)
 
-    print(f"training benchmark, {date}; {machine['cpu_model']}, "
-          f"{machine['cores']} cores; custom loop, {args.steps} timed steps "
-          f"after {args.warmup} warm-up; step time = slowest rank")
+    print(f"{run.headline('training benchmark')}; custom loop, {args.steps} "
+          f"timed steps after {args.warmup} warm-up; step time = slowest "
+          f"rank")
     print(f"model {model_text} ({params / 1e6:.1f} M parameters, "
           f"{grad_bytes / 1e6:.0f} MB of weights), per-replica "
           f"batch {args.batch}, P = {args.ranks}")
@@ -403,14 +368,7 @@ def orchestrate(args):
              f"{r['first_loss']:.5f}" if r["first_loss"] is not None else "-",
              f"{r['last_loss']:.5f}" if r["last_loss"] is not None else "-"]
             for r in results]
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        c.ljust(w) if i == 0 else c.rjust(w)
-        for i, (c, w) in enumerate(zip(cells, widths)))
-    print(fmt(header))
-    print(fmt(["-" * w for w in widths]))
-    for row in rows:
-        print(fmt(row))
+    print_table(header, rows)
     print()
     for kind, why in skipped.items():
         print(f"skipped {kind}: {why}")
@@ -432,11 +390,11 @@ def orchestrate(args):
         diff = max((abs(x - y) / max(abs(x), 1e-12)
                     for x, y in zip(a[:n], b[:n])), default=0.0)
         losses_check = {"steps": n, "max_rel_diff": diff}
-        verdict = ("bit-identical" if diff == 0 else
-                   "agree to rounding (the sums may be taken in another "
-                   "order)" if diff < 1e-3 else "DIFFER")
+        agreement = ("bit-identical" if diff == 0 else
+                     "agree to rounding (the sums may be taken in another "
+                     "order)" if diff < 1e-3 else "DIFFER")
         print(f"losses of {rdma['system']} and {MWMS} over {n} steps: "
-              f"largest relative difference {diff:.2e}: {verdict}")
+              f"largest relative difference {diff:.2e}: {agreement}")
     target = (EMBEDDING_TARGET_SPEEDUP if args.model == "embedding"
               else TARGET_SPEEDUP)
     if rdma and mwms:
@@ -450,8 +408,7 @@ def orchestrate(args):
                      f"{mwms['median_s'] / local['median_s']:.2f}x here")
         print(f"check: {rdma['system']} {rdma['samples_per_s']:.1f} vs "
               f"{MWMS} {mwms['samples_per_s']:.1f} samples/s: {x:.2f}x "
-              f"(target >= {target:g}x): "
-              f"{'met' if x >= target else 'MISSED'}{bound}")
+              f"(target >= {target:g}x): {verdict(x >= target)}{bound}")
     else:
         print("check: no ratio (a system gave no result)")
     dense = by.get(system_name("tf_rdma_dense", args.algorithm))
@@ -463,40 +420,28 @@ def orchestrate(args):
               f"and step to the collectives, sparse_as_dense "
               f"{dense['payload_bytes_per_rank'] / 1e6:.1f} MB: "
               f"{fewer:.0f}x fewer (target >= {EMBEDDING_TARGET_BYTES:g}x): "
-              f"{'met' if fewer >= EMBEDDING_TARGET_BYTES else 'MISSED'}; "
+              f"{verdict(fewer >= EMBEDDING_TARGET_BYTES)}; "
               f"samples/s {rdma['samples_per_s'] / dense['samples_per_s']:.2f}x"
               f" of dense")
-    elapsed = time.perf_counter() - started
-    load_end = _loadavg()
-    print(f"total time {elapsed:.0f} s; load average at start "
-          f"{load_start[0] if load_start else '?'}, at end "
-          f"{load_end[0] if load_end else '?'} ({os.cpu_count()} cores)")
+    run.finish()
     if args.json:
-        doc = {"bench": "train", "date": date, "machine": machine,
-               "config": {"model": model_text,
-                          "params": params, "gradient_bytes": grad_bytes,
-                          "batch_per_replica": args.batch,
-                          "ranks": args.ranks, "steps": args.steps,
-                          "warmup": args.warmup, "lr": args.lr,
-                          "optimizer": f"SGD, momentum {args.momentum:g}",
-                          "algorithm": args.algorithm,
-                          "bucket_bytes": args.bucket_bytes,
-                          "transport": args.transport or os.environ.get(
-                              "TF_RDMA_TRANSPORT", "auto"),
-                          "timing": "per step the max over ranks of the "
-                                    "step call until its loss is back; "
-                                    "median/min over the timed steps",
-                          "losses": losses, "losses_check": losses_check,
-                          "skipped": skipped, "failed": failed,
-                          "loadavg_start": load_start,
-                          "loadavg_end": load_end,
-                          "elapsed_s": round(elapsed, 1)},
-               "results": results}
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        config = {"model": model_text,
+                  "params": params, "gradient_bytes": grad_bytes,
+                  "batch_per_replica": args.batch,
+                  "ranks": args.ranks, "steps": args.steps,
+                  "warmup": args.warmup, "lr": args.lr,
+                  "optimizer": f"SGD, momentum {args.momentum:g}",
+                  "algorithm": args.algorithm,
+                  "bucket_bytes": args.bucket_bytes,
+                  "transport": args.transport or os.environ.get(
+                      "TF_RDMA_TRANSPORT", "auto"),
+                  "timing": "per step the max over ranks of the step call "
+                            "until its loss is back; median/min over the "
+                            "timed steps",
+                  "losses": losses, "losses_check": losses_check,
+                  "skipped": skipped, "failed": failed,
+                  **run.timing()}
+        write_json(args.json, run.document(config, results))
         print(f"wrote {args.json}")
     return 1 if failed else 0
 

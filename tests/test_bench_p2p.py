@@ -13,15 +13,20 @@ import pytest
 
 KiB = 1024
 MiB = 1024 * KiB
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))), "bench", "p2p.py")
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "bench")
+_PATH = os.path.join(_BENCH, "p2p.py")
 
 
 @pytest.fixture(scope="module")
 def p2p():
     spec = importlib.util.spec_from_file_location("bench_p2p", _PATH)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # bench/p2p.py imports bench/_harness, which `python bench/p2p.py` finds
+    # next to the script (bench/ is then first on sys.path).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(_BENCH)
+        spec.loader.exec_module(module)
     return module
 
 
