@@ -38,7 +38,6 @@ usable is asked of the engine (:func:`engine_verbs_status`, which loads the
 op library and so TensorFlow).
 """
 
-import argparse
 import fcntl
 import importlib
 import importlib.machinery
@@ -59,6 +58,7 @@ import time
 from tf_rdma import cluster as cluster_lib
 from tf_rdma import settings
 from tf_rdma.errors import ConfigError, LibraryError
+from tf_rdma.subcommand import Command
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -80,6 +80,7 @@ __all__ = [
     "validate",
     "add_arguments",
     "run",
+    "COMMAND",
 ]
 
 #: Version of the JSON report's shape; bumped when a field changes meaning.
@@ -1309,10 +1310,19 @@ def main(argv=None):
     Returns:
         The exit status.
     """
-    parser = argparse.ArgumentParser(prog="tf-rdma doctor", usage=_USAGE, description=_DESCRIPTION,
-                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv), parser)
+    return COMMAND.main(argv, prog="tf-rdma doctor")
+
+
+#: ``tf-rdma doctor``, for the ``tf-rdma`` parser (tf_rdma.cli).
+COMMAND = Command(
+    name="doctor",
+    help="report RDMA devices, pyverbs, memlock, kernel support and the transport choice",
+    usage=_USAGE,
+    description=_DESCRIPTION,
+    epilog=_EPILOG,
+    add_arguments=add_arguments,
+    run=run,
+)
 
 
 if __name__ == "__main__":

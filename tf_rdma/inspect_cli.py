@@ -38,7 +38,9 @@ import re
 import sys
 import traceback
 
-__all__ = ["add_arguments", "run", "main", "InspectError", "EXIT_ERROR",
+from tf_rdma.subcommand import Command
+
+__all__ = ["COMMAND", "add_arguments", "run", "InspectError", "EXIT_ERROR",
            "EXIT_NO_TRANSFERS"]
 
 _PREFIX = "tf-rdma inspect: "
@@ -171,12 +173,6 @@ def add_arguments(parser):
         help="on an error, show the Python traceback too (for bug reports)")
 
 
-def main(argv=None):
-    """Runs ``tf-rdma inspect`` (the arguments after ``inspect``)."""
-    from tf_rdma import cli  # pylint: disable=import-outside-toplevel
-    return cli.main(["inspect", *(sys.argv[1:] if argv is None else argv)])
-
-
 def run(args, parser=None):
     """Runs ``tf-rdma inspect`` with parsed arguments; returns the exit status."""
     try:
@@ -220,6 +216,18 @@ def run(args, parser=None):
             print(f"{_PREFIX}internal error: {type(exc).__name__}: {exc} "
                   f"(rerun with --traceback and report it)", file=sys.stderr)
         return EXIT_ERROR
+
+
+#: ``tf-rdma inspect``, for the ``tf-rdma`` parser (tf_rdma.cli).
+COMMAND = Command(
+    name="inspect",
+    help="show the transfer plan of a function, SavedModel or GraphDef",
+    usage=_USAGE,
+    description=_DESCRIPTION,
+    epilog=_EPILOG,
+    add_arguments=add_arguments,
+    run=run,
+)
 
 
 class _NoTransfers(Exception):
@@ -1479,6 +1487,3 @@ def render_html(report):
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
-
-if __name__ == "__main__":
-    sys.exit(main())

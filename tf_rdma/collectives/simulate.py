@@ -41,10 +41,11 @@ import time as _time
 import numpy as np
 
 from tf_rdma.collectives import cost
+from tf_rdma.subcommand import Command
 
 __all__ = ["simulate", "predicted_order", "predicted_times", "sweep",
            "claims", "add_arguments", "run", "main", "parse_size",
-           "parse_ranks"]
+           "parse_ranks", "COMMAND"]
 
 _PREFIX = "tf-rdma simulate: "
 
@@ -1062,13 +1063,21 @@ def run(args, parser=None):  # pylint: disable=unused-argument
 
 def main(argv=None):
     """Runs the simulator's command line (``python -m ...simulate``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m tf_rdma.collectives.simulate", usage=_USAGE,
-        description=_DESCRIPTION, epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return run(args, parser)
+    return COMMAND.main(sys.argv[1:] if argv is None else argv,
+                        prog="python -m tf_rdma.collectives.simulate")
+
+
+#: ``tf-rdma simulate``, for the ``tf-rdma`` parser (tf_rdma.cli).
+COMMAND = Command(
+    name="simulate",
+    help="simulate the collectives (lp, ring, tree, rhd) under the "
+         "alpha-beta-gamma cost model",
+    usage=_USAGE,
+    description=_DESCRIPTION,
+    epilog=_EPILOG,
+    add_arguments=add_arguments,
+    run=run,
+)
 
 
 if __name__ == "__main__":
