@@ -28,7 +28,8 @@ import time
 import pytest
 
 from conftest import base_env
-from tf_rdma import cli, inspect_cli
+from tf_rdma import cli
+from tf_rdma.inspect import load as inspect_cli
 
 pytestmark = pytest.mark.timeout(240)
 

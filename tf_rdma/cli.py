@@ -33,8 +33,9 @@ def commands():
         module's ``COMMAND``.
     """
     # pylint: disable=import-outside-toplevel
-    from tf_rdma import doctor, inspect_cli, launch
+    from tf_rdma import doctor, launch
     from tf_rdma.collectives import simulate
+    from tf_rdma.inspect import load as inspect_cli
 
     return [launch.COMMAND, inspect_cli.COMMAND, simulate.COMMAND, doctor.COMMAND]
 

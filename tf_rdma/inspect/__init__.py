@@ -1,0 +1,1 @@
+"""``tf-rdma inspect``: the transfer plan of a graph, without a cluster."""
