@@ -35,9 +35,9 @@ def commands():
     # pylint: disable=import-outside-toplevel
     from tf_rdma import doctor, launch
     from tf_rdma.collectives import simulate
-    from tf_rdma.inspect import load as inspect_cli
+    from tf_rdma.inspect import command as inspect_command
 
-    return [launch.COMMAND, inspect_cli.COMMAND, simulate.COMMAND, doctor.COMMAND]
+    return [launch.COMMAND, inspect_command.COMMAND, simulate.COMMAND, doctor.COMMAND]
 
 
 def build_parser():
