@@ -20,7 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tf_rdma import cli, doctor  # noqa: E402
+from tf_rdma import cli  # noqa: E402
+from tf_rdma.doctor import rdma as doctor  # noqa: E402
 from tf_rdma.errors import ConfigError  # noqa: E402
 
 HAS_KERNEL_RDMA = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))

@@ -66,7 +66,7 @@ def test_import_tf_rdma_loads_neither_tensorflow_nor_the_library(tmp_path):
 def test_doctor_reports_a_library_that_does_not_load(tmp_path):
     proc = run_in_subprocess(
         copy_package(tmp_path, built_for="2.99.0"),
-        "import json; from tf_rdma import doctor; print(json.dumps(doctor.op_library()))")
+        "import json; from tf_rdma.doctor import rdma as doctor; print(json.dumps(doctor.op_library()))")
     assert proc.returncode == 0, proc.stderr[-3000:]
     entry = json.loads(proc.stdout.strip().splitlines()[-1])
     assert entry["present"] and not entry["loads"], entry

@@ -32,7 +32,7 @@ import pytest
 
 import wire_client
 from conftest import collect, kill_group, make_cluster, spawn_task
-from tf_rdma import doctor
+from tf_rdma.doctor import rdma as doctor
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -33,8 +33,9 @@ def commands():
         module's ``COMMAND``.
     """
     # pylint: disable=import-outside-toplevel
-    from tf_rdma import doctor, launch
+    from tf_rdma import launch
     from tf_rdma.collectives import simulate
+    from tf_rdma.doctor import rdma as doctor
     from tf_rdma.inspect import command as inspect_command
 
     return [launch.COMMAND, inspect_command.COMMAND, simulate.COMMAND, doctor.COMMAND]

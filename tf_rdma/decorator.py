@@ -35,7 +35,7 @@ import threading
 
 import tensorflow as tf
 
-from tf_rdma import doctor
+from tf_rdma.doctor import rdma as doctor
 from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import rewrite as passes
 from tf_rdma.ops import timeout_to_ms

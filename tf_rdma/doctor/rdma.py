@@ -87,7 +87,8 @@ __all__ = [
 SCHEMA_VERSION = 3
 
 #: The JSON Schema of the ``--json`` report, checked into the repository.
-SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_schema.json")
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "doctor_schema.json")
 
 #: Bytes the self-test writes through the loopback queue pair.
 SELF_TEST_BYTES = 1 << 20

@@ -1,0 +1,1 @@
+"""``tf-rdma doctor``: what this machine offers tf_rdma, and why."""
