@@ -35,10 +35,10 @@ def commands():
     # pylint: disable=import-outside-toplevel
     from tf_rdma import launch
     from tf_rdma.collectives import simulate
-    from tf_rdma.doctor import rdma as doctor
+    from tf_rdma.doctor import command as doctor_command
     from tf_rdma.inspect import command as inspect_command
 
-    return [launch.COMMAND, inspect_command.COMMAND, simulate.COMMAND, doctor.COMMAND]
+    return [launch.COMMAND, inspect_command.COMMAND, simulate.COMMAND, doctor_command.COMMAND]
 
 
 def build_parser():

@@ -2,6 +2,6 @@
 
 import sys
 
-from tf_rdma.doctor.rdma import main
+from tf_rdma.doctor.command import main
 
 sys.exit(main())
