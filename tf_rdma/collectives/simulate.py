@@ -374,7 +374,7 @@ def _tree_levels(P):
     got = _levels_cache.get(P)
     if got is not None:
         return got
-    kids = cost._tree_shape(P)  # pylint: disable=protected-access
+    kids = cost.tree_shape(P)
     depth = np.array([bin(v).count("1") for v in range(P)])
     levels = []
     for d in range(int(depth.max()) + 1):
@@ -455,7 +455,7 @@ def _tree(e, kind, n, P):
     else:
         # Gather the subtrees to rank 0 (children before parents: deeper
         # ranks first), then broadcast all P pieces.
-        kids = cost._tree_shape(P)  # pylint: disable=protected-access
+        kids = cost.tree_shape(P)
         for v in sorted(range(P), key=lambda v: -bin(v).count("1")):
             for c in kids[v]:
                 low = c & -c
@@ -573,18 +573,18 @@ def simulate(kind, algorithm, nbytes, P, block_bytes=None,
         ValueError: On a bad kind, algorithm, size, P, block size, depth or
             bus; the message names the value.
     """
-    cost._check_kind(kind)  # pylint: disable=protected-access
-    cost._check_algorithm(algorithm)  # pylint: disable=protected-access
-    nbytes = cost._check_int("nbytes", nbytes, 0)  # pylint: disable=protected-access
-    P = cost._check_int("P", P, 1)  # pylint: disable=protected-access
+    cost.check_kind(kind)
+    cost.check_algorithm(algorithm)
+    nbytes = cost.check_int("nbytes", nbytes, 0)
+    P = cost.check_int("P", P, 1)
     if depth is not None:
-        depth = cost._check_int("depth", depth, 1)  # pylint: disable=protected-access
-    cost._check_params(params)  # pylint: disable=protected-access
+        depth = cost.check_int("depth", depth, 1)
+    cost.check_params(params)
     bus = _check_bus(bus)
     if block_bytes is None:
         block_bytes = cost.block_size(
             nbytes * P if kind == "allgather" else nbytes, P, params)
-    block_bytes = cost._check_int("block_bytes", block_bytes, 1)  # pylint: disable=protected-access
+    block_bytes = cost.check_int("block_bytes", block_bytes, 1)
     if P == 1 or nbytes == 0:
         return 0.0
     e = _Engine(P, block_bytes, params, depth)
