@@ -28,7 +28,7 @@ import pytest
 from conftest import base_env
 
 from tf_rdma.collectives import cost
-from tf_rdma.collectives import simulate as sim
+from tf_rdma.collectives.simulate import engine as sim
 
 pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
 

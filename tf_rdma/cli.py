@@ -34,7 +34,7 @@ def commands():
     """
     # pylint: disable=import-outside-toplevel
     from tf_rdma import launch
-    from tf_rdma.collectives import simulate
+    from tf_rdma.collectives.simulate import engine as simulate
     from tf_rdma.doctor import command as doctor_command
     from tf_rdma.inspect import command as inspect_command
 
