@@ -59,8 +59,7 @@ result({"times": times, "params": [params.alpha, params.beta, params.gamma,
 
 def _contradictions(got):
     """Pairs the model orders clearly whose measured order is the other way."""
-    from tf_rdma.collectives import cost
-    from tf_rdma.collectives.simulate import engine as simulate
+    from tf_rdma.collectives import cost, simulate
 
     alpha, beta, gamma, delta = got["params"]
     params = cost.Params(alpha=alpha, beta=beta, gamma=gamma, delta=delta)

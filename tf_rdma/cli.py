@@ -34,11 +34,11 @@ def commands():
     """
     # pylint: disable=import-outside-toplevel
     from tf_rdma import launch
-    from tf_rdma.collectives.simulate import engine as simulate
+    from tf_rdma.collectives.simulate import command as simulate_command
     from tf_rdma.doctor import command as doctor_command
     from tf_rdma.inspect import command as inspect_command
 
-    return [launch.COMMAND, inspect_command.COMMAND, simulate.COMMAND, doctor_command.COMMAND]
+    return [launch.COMMAND, inspect_command.COMMAND, simulate_command.COMMAND, doctor_command.COMMAND]
 
 
 def build_parser():

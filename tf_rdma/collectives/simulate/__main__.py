@@ -2,6 +2,6 @@
 
 import sys
 
-from tf_rdma.collectives.simulate.engine import main
+from tf_rdma.collectives.simulate.command import main
 
 sys.exit(main())
