@@ -78,10 +78,10 @@ else:
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}})
 if MODE == "mwms":
-    from tf_rdma import _tf_private
+    import mwms_keras
     # Keras 3.15's fit does not run under multi-worker MWMS as is (see
     # patch_mwms_for_keras_fit).
-    strategy = _tf_private.patch_mwms_for_keras_fit(
+    strategy = mwms_keras.patch_mwms_for_keras_fit(
         tf.distribute.MultiWorkerMirroredStrategy())
     rank = strategy.cluster_resolver.task_id
 else:
