@@ -375,7 +375,7 @@ def test_killed_worker_fails_fast():
                             "InternalError"), err
     assert err["elapsed_s"] < 5 + 5, err
     # Both buckets wait for the dead peer (collectives are not run in
-    # program order: tf_rdma/_tf_private.py); either may report first.
+    # program order: tf_rdma/_auto_control_deps.py); either may report first.
     for part in ("allreduce", ".bucket", "/job:worker/task:1"):
         assert part in err["message"], (part, err)
 

@@ -1,4 +1,12 @@
-"""The one place where tf_rdma relies on a private TensorFlow module.
+"""tf_rdma's ops and TensorFlow's automatic control dependencies.
+
+Two hooks into ``tensorflow.python.framework.auto_control_deps``, a private
+TensorFlow module, both installed by :func:`register_order_insensitive_ops`,
+which the op library's loader (tf_rdma._loader) calls once: the tf_rdma ops
+run in any order (below), and the values a function returns are computed
+where they are produced (the comment above
+``_place_returned_values_with_their_producers``). The strategy's private
+hooks are in tf_rdma.distribute (``extended``, ``keras_predict``).
 
 Inside a ``tf.function``, TensorFlow's automatic control dependencies run
 stateful ops that touch no resource in program order, *across devices*. For
