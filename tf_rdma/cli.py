@@ -1,10 +1,13 @@
 """The ``tf-rdma`` command line.
 
-Each subcommand lives in its own module, imported when the parser is
-built. None of them loads TensorFlow or the op library to build its parser
-(importing tf_rdma does not either): `launch`, `simulate` and `doctor` run
-without loading them, `doctor` reports an op library that does not load, and
-`inspect` loads TensorFlow when it traces.
+Each subcommand lives in its own module, which exposes one ``COMMAND``
+(:class:`tf_rdma.subcommand.Command`: its help texts, options and what runs
+it); :func:`commands` imports them when the parser is built, and
+:func:`build_parser` adds them in one loop. None of them loads TensorFlow or
+the op library to build its parser (importing tf_rdma does not either):
+`launch`, `simulate` and `doctor` run without loading them, `doctor` reports
+an op library that does not load, and `inspect` loads TensorFlow when it
+traces.
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
