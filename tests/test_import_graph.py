@@ -3,8 +3,8 @@
 How the graph is built: every ``.py`` file under ``tf_rdma/`` and
 ``graph_passes/`` is parsed with :mod:`ast` (nothing is imported or run).
 ``graph_passes/`` is named ``tf_rdma.graph_passes.*``, as it is installed
-(``tf_rdma/graph_passes`` is a link to it in the source tree, skipped so that
-no file is read twice). Each ``import`` and ``from ... import`` statement
+(a ``tf_rdma/graph_passes`` link to it, where a source tree has one, is
+skipped so that no file is read twice). Each ``import`` and ``from ... import`` statement
 anywhere in a file, at the top or inside a function, class or ``if``, is an
 edge from that file's module to the module it names: ``import a.b.c`` and
 ``from a.b import c`` point at ``a.b.c`` when that is a module of ours (else
