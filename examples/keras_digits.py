@@ -57,7 +57,7 @@ how it runs on a real cluster, one copy per host.
 
 Keras 3.15's ``fit`` does not run under a multi-worker
 MultiWorkerMirroredStrategy of TensorFlow 2.21 as is; the baseline applies
-the two fixes of ``tf_rdma._tf_private.patch_mwms_for_keras_fit`` (see
+the two fixes of ``patch_mwms_for_keras_fit`` in examples/mwms_keras.py (see
 there). RdmaStrategy needs neither.
 """
 
@@ -159,8 +159,8 @@ def run_worker(args):
         strategy = tf_rdma.distribute.RdmaStrategy(**kwargs)
         rank = strategy.worker_index
     else:
-        from tf_rdma import _tf_private  # pylint: disable=import-outside-toplevel
-        strategy = _tf_private.patch_mwms_for_keras_fit(
+        import mwms_keras  # pylint: disable=import-outside-toplevel
+        strategy = mwms_keras.patch_mwms_for_keras_fit(
             tf.distribute.MultiWorkerMirroredStrategy())
         rank = strategy.cluster_resolver.task_id
 

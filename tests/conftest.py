@@ -22,6 +22,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+# examples/ holds mwms_keras.py, the Keras-fit patch of the MWMS baseline that
+# the strategy tests' tasks import (they get this path through PYTHONPATH).
+EXAMPLES = os.path.join(REPO, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.append(EXAMPLES)
 
 from tf_rdma import cluster as cluster_lib  # noqa: E402
 
@@ -103,7 +108,8 @@ def make_cluster(n, job="worker"):
 
 def base_env(extra=None):
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, EXAMPLES, env.get("PYTHONPATH")) if p)
     env.setdefault("TF_RDMA_SECRET", "test-secret-of-the-suite")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONUNBUFFERED"] = "1"

@@ -91,7 +91,7 @@ def test_connect_to_cluster_send_recv(transport):
 
 # A function that returns what it received: the result would alias the slot
 # (zero-copy recv), and with depth 1 a result the client keeps would hold
-# the slot from the next call's send. tf_rdma/_tf_private.py makes returned
+# the slot from the next call's send. tf_rdma/_auto_control_deps.py makes returned
 # values local copies; without that the second call times out.
 RETURNS_RECV = r"""
 import json, os

@@ -1,7 +1,7 @@
 """Tests of the α-β-γ-δ cost model and the collectives simulator.
 
 No TensorFlow processes: the model (tf_rdma/collectives/cost.py) and the
-simulator (tf_rdma/collectives/simulate.py) are plain Python + numpy.
+simulator (tf_rdma/collectives/simulate/) are plain Python + numpy.
 
 * The closed forms against values computed by hand here.
 * The simulator against a second, literal simulator written in this file:
@@ -29,6 +29,7 @@ from conftest import base_env
 
 from tf_rdma.collectives import cost
 from tf_rdma.collectives import simulate as sim
+from tf_rdma.collectives.simulate import command as sim_command, sweeps
 
 pytestmark = pytest.mark.fast  # in `make test-fast`: no processes, no sockets
 
@@ -552,7 +553,7 @@ def test_closed_form_within_5_percent_of_simulator():
 # LP's claims, in the simulator.
 
 def test_simulator_shows_lp_nearly_flat_in_P():
-    c = sim.claims(P0, 64 * MiB, [2, 1024])
+    c = sweeps.claims(P0, 64 * MiB, [2, 1024])
     assert c["log2_ratio"] == 10
     for kind in ("broadcast", "allreduce"):
         lp, tree = c["growth"][(kind, "lp")], c["growth"][(kind, "tree")]
@@ -565,20 +566,20 @@ def test_simulator_shows_lp_nearly_flat_in_P():
     # With a larger message the α term matters less: lp is flatter still.
     # (From P = 3: at P = 2 the one receiver's copy hides behind the sends,
     # from P = 3 on a middle rank copies and sends each byte, β+δ.)
-    c = sim.claims(P0, 1 << 30, [3, 64])
+    c = sweeps.claims(P0, 1 << 30, [3, 64])
     assert c["growth"][("broadcast", "lp")] < 1.2
     assert c["growth"][("broadcast", "tree")] > 2.5
 
 
 def test_simulator_shows_lp_broadcast_up_to_twice_rhd_bandwidth():
-    c = sim.claims(P0, 1 << 30, [2, 8, 16, 32, 64])
+    c = sweeps.claims(P0, 1 << 30, [2, 8, 16, 32, 64])
     # At P = 2 rhd is a scatter of n/2 then an exchange of n/2: the
     # receiver copies n/2 twice, one of them after the sends: about 1.5x.
     assert 1.4 < c["rhd_over_lp"][2] < 1.6
     # With a free copy out (the paper's RDMA assumption) rhd moves the
     # message twice, lp once: up to 2x.
     free = cost.Params(P0.alpha, P0.beta, P0.gamma, delta=1e-30)
-    f = sim.claims(free, 1 << 30, [2, 8, 16, 32, 64])
+    f = sweeps.claims(free, 1 << 30, [2, 8, 16, 32, 64])
     assert f["rhd_over_lp"][2] == pytest.approx(1.0)
     assert 1.8 < max(f["rhd_over_lp"].values()) < 2.05
     # With δ = β a middle rank of the chain copies and sends each byte
@@ -655,17 +656,17 @@ def test_simulator_is_fast_at_1024_ranks():
 # The command line.
 
 def test_parse_size_and_ranks():
-    assert sim.parse_size("64MiB") == 64 * MiB
-    assert sim.parse_size("1M") == MiB
-    assert sim.parse_size("1.5KiB") == 1536
-    assert sim.parse_size("10MB") == 10 ** 7
-    assert sim.parse_size("4096") == 4096
+    assert sweeps.parse_size("64MiB") == 64 * MiB
+    assert sweeps.parse_size("1M") == MiB
+    assert sweeps.parse_size("1.5KiB") == 1536
+    assert sweeps.parse_size("10MB") == 10 ** 7
+    assert sweeps.parse_size("4096") == 4096
     with pytest.raises(ValueError, match="'12 parsecs'"):
-        sim.parse_size("12 parsecs")
-    assert sim.parse_ranks("2-16") == [2, 4, 8, 16]
-    assert sim.parse_ranks("3,5,2-4") == [3, 5, 2, 4]
+        sweeps.parse_size("12 parsecs")
+    assert sweeps.parse_ranks("2-16") == [2, 4, 8, 16]
+    assert sweeps.parse_ranks("3,5,2-4") == [3, 5, 2, 4]
     with pytest.raises(ValueError, match="'0'"):
-        sim.parse_ranks("0,2")
+        sweeps.parse_ranks("0,2")
 
 
 def _run(args, tmp_path):
@@ -706,7 +707,7 @@ def test_cli_bad_arguments(capsys):
                         (["--delta", "0"], "--delta '0'"),
                         (["--bus", "-2"], "--bus '-2'")):
         with pytest.raises(SystemExit) as exc:
-            sim.main(args)
+            sim_command.main(args)
         assert exc.value.code == 2
         assert match in capsys.readouterr().err
 

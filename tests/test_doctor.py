@@ -4,8 +4,9 @@ The command is run as a real subprocess (``python -m tf_rdma.cli doctor``)
 three times; what it reports is checked against the machine itself (does
 ``/sys/class/infiniband`` exist, what is ``RLIMIT_MEMLOCK``). Where this
 machine has RDMA devices the "no RDMA" assertions do not apply and are
-skipped with that reason. The pure functions (schema validator, transport
-choice, memlock, GID parsing) are tested in-process.
+skipped with that reason. The pure functions (transport choice, memlock,
+GID parsing) and the report's schema (checked with tests/schema_check.py)
+are tested in-process.
 """
 
 import json
@@ -20,7 +21,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tf_rdma import cli, doctor  # noqa: E402
+from schema_check import validate  # noqa: E402
+from tf_rdma import cli  # noqa: E402
+from tf_rdma.doctor import rdma, system, transports  # noqa: E402
+from tf_rdma.doctor.report import SCHEMA_PATH, SCHEMA_VERSION, build_report  # noqa: E402
 from tf_rdma.errors import ConfigError  # noqa: E402
 
 HAS_KERNEL_RDMA = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
@@ -30,7 +34,7 @@ REMOTE_CLUSTER = {"worker": ["localhost:2222", "192.0.2.7:2222"]}
 
 
 def _schema():
-    with open(doctor.SCHEMA_PATH, encoding="utf-8") as f:
+    with open(SCHEMA_PATH, encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -92,8 +96,8 @@ def test_text_report_on_this_machine(text_run):
 def test_json_report_validates_and_matches_this_machine(json_run):
     assert json_run.returncode == 0, json_run.stderr[-3000:]
     report = json.loads(json_run.stdout)
-    assert doctor.validate(report, _schema()) == []
-    assert report["schema_version"] == doctor.SCHEMA_VERSION
+    assert validate(report, _schema()) == []
+    assert report["schema_version"] == SCHEMA_VERSION
     # Memlock is what this process inherits from the same shell.
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     mem = report["memlock"]
@@ -120,7 +124,7 @@ def test_json_report_validates_and_matches_this_machine(json_run):
 
 def test_require_rdma_without_pyverbs_and_forced_tcp(require_run):
     report = json.loads(require_run.stdout)
-    assert doctor.validate(report, _schema()) == []
+    assert validate(report, _schema()) == []
     assert _pair(report, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "tcp"
     assert report["transports"]["setting"] == "tcp"
     pv = report["pyverbs"]
@@ -154,60 +158,60 @@ MLX = {"available": True, "device": "mlx5_0 port 1, RoCE, RoCE v2 GID 3 (10.1.1.
 def test_transport_choice_rules():
     local = {"localhost", "myhost", "10.1.1.1"}
     two = json.dumps({"worker": ["myhost:1", "10.1.1.1:2"], "ps": ["192.0.2.9:3"]})
-    result = doctor.transport_choice(two, env={}, local=local, verbs=NO_VERBS)
+    result = transports.transport_choice(two, env={}, local=local, verbs=NO_VERBS)
     assert _pair({"transports": result}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
     assert _pair({"transports": result}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "tcp"
-    forced = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm"}, local=local, verbs=NO_VERBS)
+    forced = transports.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm"}, local=local, verbs=NO_VERBS)
     remote = _pair({"transports": forced}, "/job:worker/task:1", "/job:ps/task:0")
     assert remote["transport"] is None and "no common transport" in remote["reason"]
     # verbs first where usable, in the order TF_RDMA_TRANSPORT gives.
-    rdma = doctor.transport_choice(two, env={}, local=local, verbs=MLX)
+    rdma = transports.transport_choice(two, env={}, local=local, verbs=MLX)
     assert {p["transport"] for p in rdma["pairs"]} == {"verbs"}
     assert "mlx5_0" in rdma["pairs"][0]["reason"]
-    shm_first = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
+    shm_first = transports.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
                                         verbs=MLX)
     assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
     assert _pair({"transports": shm_first}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "verbs"
     # Verbs demanded (no tcp to fall back on) but unusable: the endpoint does not start.
-    demanded = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
+    demanded = transports.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs"}, local=local,
                                        verbs=NO_VERBS)
     assert {p["transport"] for p in demanded["pairs"]} == {None}
     assert "asks for verbs, which is not usable here (no RDMA devices)" in demanded["pairs"][0]["reason"]
     # With tcp in the list it falls back like auto.
-    fallback = doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs,tcp"}, local=local,
+    fallback = transports.transport_choice(two, env={"TF_RDMA_TRANSPORT": "shm,verbs,tcp"}, local=local,
                                        verbs=NO_VERBS)
     assert _pair({"transports": fallback}, "/job:worker/task:0", "/job:worker/task:1")["transport"] == "shm"
     assert _pair({"transports": fallback}, "/job:worker/task:0", "/job:ps/task:0")["transport"] == "tcp"
-    only_me = doctor.transport_choice(two, task="/job:ps/task:0", env={}, local=local)
+    only_me = transports.transport_choice(two, task="/job:ps/task:0", env={}, local=local)
     assert len(only_me["pairs"]) == 2
-    assert doctor.transport_choice(None, env={}, local=local)["pairs"] == []
+    assert transports.transport_choice(None, env={}, local=local)["pairs"] == []
     with pytest.raises(ConfigError, match="'bogus'"):
-        doctor.transport_choice(two, env={"TF_RDMA_TRANSPORT": "bogus"}, local=local)
+        transports.transport_choice(two, env={"TF_RDMA_TRANSPORT": "bogus"}, local=local)
     with pytest.raises(ConfigError, match="not valid JSON"):
-        doctor.transport_choice("{nope", env={}, local=local)
+        transports.transport_choice("{nope", env={}, local=local)
 
 
 def test_memlock_and_gid_helpers():
-    assert doctor.memlock(0)["sufficient"] is None
+    assert system.memlock(0)["sufficient"] is None
     with pytest.raises(ConfigError, match="-1"):
-        doctor.memlock(-1)
-    assert doctor._gid_ip("0000:0000:0000:0000:0000:ffff:0a00:0001") == "10.0.0.1"
-    assert doctor._gid_ip("fe80:0000:0000:0000:0202:c9ff:fe00:0001") == "fe80::202:c9ff:fe00:1"
-    assert doctor._gid_ip("0000:0000:0000:0000:0000:0000:0000:0000") is None
-    assert doctor._gid_type_name("RoCE v2", "Ethernet") == "RoCE v2"
-    assert doctor._gid_type_name("IB/RoCE v1", "Ethernet") == "RoCE v1"
-    assert doctor._gid_type_name("IB/RoCE v1", "InfiniBand") == "IB"
+        system.memlock(-1)
+    assert rdma._gid_ip("0000:0000:0000:0000:0000:ffff:0a00:0001") == "10.0.0.1"
+    assert rdma._gid_ip("fe80:0000:0000:0000:0202:c9ff:fe00:0001") == "fe80::202:c9ff:fe00:1"
+    assert rdma._gid_ip("0000:0000:0000:0000:0000:0000:0000:0000") is None
+    assert rdma._gid_type_name("RoCE v2", "Ethernet") == "RoCE v2"
+    assert rdma._gid_type_name("IB/RoCE v1", "Ethernet") == "RoCE v1"
+    assert rdma._gid_type_name("IB/RoCE v1", "InfiniBand") == "IB"
 
 
 def test_validator_rejects_bad_reports():
     schema = _schema()
-    report = doctor.build_report(env={})
-    assert doctor.validate(report, schema) == []
+    report = build_report(env={})
+    assert validate(report, schema) == []
     bad = json.loads(json.dumps(report))
     bad["rdma"]["usable"] = "no"
     del bad["memlock"]["soft"]
     bad["extra"] = 1
-    errors = doctor.validate(bad, schema)
+    errors = validate(bad, schema)
     assert any("$.rdma.usable: 'no'" in e for e in errors)
     assert any("'soft' is missing" in e for e in errors)
     assert any("'extra' is not allowed" in e for e in errors)
@@ -219,12 +223,12 @@ def test_plan_transports_predicts_every_pair_of_the_cluster():
     tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"], "ps": ["192.0.2.9:3"]},
                  "task": {"type": "worker", "index": 0}}
     env = {"TF_CONFIG": json.dumps(tf_config)}
-    rows = doctor.plan_transports([("worker:1", "ps:0"), ("worker:0", "worker:1"),
+    rows = transports.plan_transports([("worker:1", "ps:0"), ("worker:0", "worker:1"),
                                    ("worker:0", "chief:0")], env=env)
     assert [r["status"] for r in rows] == ["expected", "expected", "unknown"], rows
     assert rows[0]["src"] == "/job:worker/task:1" and rows[0]["dst"] == "/job:ps/task:0"
     assert rows[0]["transport"] in ("tcp", "verbs") and rows[1]["transport"] in ("shm", "verbs")
     assert "192.0.2.9" in rows[0]["reason"] or rows[0]["transport"] == "verbs"
     assert "not in the cluster" in rows[2]["reason"]
-    alone = doctor.plan_transports([("worker:0", "worker:1")], env={})
+    alone = transports.plan_transports([("worker:0", "worker:1")], env={})
     assert alone[0]["status"] == "unknown" and "no cluster" in alone[0]["reason"]

@@ -7,7 +7,7 @@ bad input. Each run imports TensorFlow, so the module fixture starts all of
 them at once and the tests check their own: the imports overlap.
 
 Argument errors, the other bad inputs and the renderers are checked
-in-process, through ``tf_rdma.cli.main`` and ``tf_rdma.inspect_cli``.
+in-process, through ``tf_rdma.cli.main`` and the ``tf_rdma.inspect`` modules.
 
 The HTML page is loaded in headless Chromium (Debian's ``chromium``; the test
 skips with the reason where it is not installed) and the DOM it builds must
@@ -28,7 +28,12 @@ import time
 import pytest
 
 from conftest import base_env
-from tf_rdma import cli, inspect_cli
+from tf_rdma import cli
+from tf_rdma.inspect import command, load, report as report_lib
+from tf_rdma.inspect.render_graph import render_dot
+from tf_rdma.inspect.render_html import render_html
+from tf_rdma.inspect.render_json import render_json
+from tf_rdma.inspect.render_text import render_text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -297,8 +302,8 @@ def test_bad_input_is_one_clear_message(runs, name, message):
     assert message in run.stderr, run.describe()
     assert "Traceback" not in run.stderr, run.describe()
     assert run.stdout == "", run.describe()
-    expected = (inspect_cli.EXIT_NO_TRANSFERS if name == "no_cross_task_edges"
-                else inspect_cli.EXIT_ERROR)
+    expected = (command.EXIT_NO_TRANSFERS if name == "no_cross_task_edges"
+                else command.EXIT_ERROR)
     assert run.returncode == expected, run.describe()
 
 
@@ -446,7 +451,7 @@ def test_more_bad_inputs(inputs, tmp_path, capsys):
     ]
     for argv, message in cases:
         code, out, err = _main(["inspect", *argv], capsys)
-        assert code == inspect_cli.EXIT_ERROR, (argv, code, err)
+        assert code == command.EXIT_ERROR, (argv, code, err)
         assert message in err and "Traceback" not in err, (argv, err)
         assert err.count("\n") == 1, (argv, err)  # One line.
     code, _, err = _main(["inspect", f"{tmp_path / 'explodes.py'}:f"], capsys)
@@ -511,16 +516,16 @@ def test_renderers_agree(inputs):
     from tf_rdma.graph_passes import rewrite as passes  # pylint: disable=import-outside-toplevel
 
     graph_def = graph_pb2.GraphDef.FromString((inputs / "model.pb").read_bytes())
-    graph_def, note = inspect_cli.with_shapes(graph_def)
+    graph_def, note = load.with_shapes(graph_def)
     assert note is None
     analysis = passes.analyze(graph_def, name="model")
-    report = inspect_cli.make_report("model.pb", analysis)
+    report = report_lib.make_report("model.pb", analysis)
     keys = {e.key for e in analysis.edges}
-    doc = json.loads(inspect_cli.render_json(report))
+    doc = json.loads(render_json(report))
     assert {e["key"] for e in doc["edges"]} == keys
-    dot = inspect_cli.render_dot(report)
-    page = inspect_cli.render_html(report)
-    text = inspect_cli.render_text(report)
+    dot = render_dot(report)
+    page = render_html(report)
+    text = render_text(report)
     for key in keys:
         assert f"{key}\\n" in dot, key
         assert f'data-key="{key}"' in page.replace("&gt;", ">"), key
@@ -556,6 +561,6 @@ def test_call_with_remote_body_is_named(tmp_path, capsys):
             return inner(tf.ones([4]))
         """))
     code, _, err = _main(["inspect", f"{tmp_path / 'nested.py'}:outer"], capsys)
-    assert code == inspect_cli.EXIT_NO_TRANSFERS, err
+    assert code == command.EXIT_NO_TRANSFERS, err
     assert "no cross-task edges at the top level" in err
     assert "runs on /job:worker/task:0" in err and "Traceback" not in err

@@ -49,7 +49,7 @@ def run_in_subprocess(path, code="import tf_rdma.ops"):
 LIGHT_IMPORTS = """
 import sys
 import tf_rdma, tf_rdma.errors, tf_rdma.cluster, tf_rdma.settings
-import tf_rdma.graph_passes.plan, tf_rdma.launch, tf_rdma.doctor, tf_rdma.cli
+import tf_rdma.graph_passes.plan, tf_rdma.launch, tf_rdma.doctor.command, tf_rdma.cli
 import tf_rdma.collectives, tf_rdma.collectives.simulate, tf_rdma.collectives.cost
 tf_rdma.cli.build_parser()  # every subcommand's module (`tf-rdma launch`, ...)
 plan = tf_rdma.Plan([tf_rdma.Transfer("x", "/job:w/task:0", "/job:w/task:1", "float32", [4])])
@@ -83,7 +83,7 @@ def test_graph_passes_installs_as_tf_rdma_graph_passes(tmp_path):
 def test_doctor_reports_a_library_that_does_not_load(tmp_path):
     proc = run_in_subprocess(
         copy_package(tmp_path, built_for="2.99.0"),
-        "import json; from tf_rdma import doctor; print(json.dumps(doctor.op_library()))")
+        "import json; from tf_rdma.doctor import system; print(json.dumps(system.op_library()))")
     assert proc.returncode == 0, proc.stderr[-3000:]
     entry = json.loads(proc.stdout.strip().splitlines()[-1])
     assert entry["present"] and not entry["loads"], entry

@@ -2,7 +2,7 @@
 
 Graph-level checks (traced, not run): the control edges that automatic
 control dependencies add around TfRdmaSend / TfRdmaRecv, and where the
-values a function returns are computed (tf_rdma/_tf_private.py).
+values a function returns are computed (tf_rdma/_auto_control_deps.py).
 """
 
 import pytest

@@ -8,7 +8,7 @@ variables updated in ``call``), synchronized BatchNormalization, seeded
 Dropout, mixed precision (``LossScaleOptimizer`` with float16), gradient
 accumulation and ``steps_per_execution``, and evaluated, by 2 RdmaStrategy
 workers, 2 MultiWorkerMirroredStrategy workers (the
-oracle; Keras 3.15's ``fit`` needs ``_tf_private.patch_mwms_for_keras_fit``
+oracle; Keras 3.15's ``fit`` needs ``mwms_keras.patch_mwms_for_keras_fit``
 there) and one process with the global batch. Each process trains every
 configuration in turn, so the suite costs five process start-ups.
 
@@ -39,8 +39,8 @@ else:
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}})
 if MODE == "mwms":
-    from tf_rdma import _tf_private
-    strategy = _tf_private.patch_mwms_for_keras_fit(
+    import mwms_keras
+    strategy = mwms_keras.patch_mwms_for_keras_fit(
         tf.distribute.MultiWorkerMirroredStrategy())
 elif MODE == "single":
     strategy = tf.distribute.get_strategy()

@@ -32,7 +32,8 @@ import pytest
 
 import wire_client
 from conftest import collect, kill_group, make_cluster, spawn_task
-from tf_rdma import doctor
+from tf_rdma.doctor import system
+from tf_rdma.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -194,19 +195,19 @@ def test_doctor_compares_dev_shm_with_the_plan():
         try:
             with open(os.path.join(mnt, "tfrdma.1.0"), "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, 1 << 20)
-            unchecked = doctor.dev_shm(0, path=mnt)
+            unchecked = system.dev_shm(0, path=mnt)
             assert unchecked["present"] and unchecked["sufficient"] is None
             assert unchecked["total"] == 8 << 20
             assert unchecked["tf_rdma_segments"] == 1
             assert unchecked["tf_rdma_bytes"] == 1 << 20
             assert unchecked["free"] == 7 << 20
-            assert doctor.dev_shm(6 << 20, path=mnt)["sufficient"] is True
-            short = doctor.dev_shm(16 << 20, path=mnt)
+            assert system.dev_shm(6 << 20, path=mnt)["sufficient"] is True
+            short = system.dev_shm(16 << 20, path=mnt)
             assert short["sufficient"] is False
             assert "16777216 bytes" in short["advice"] and "--shm-size" in short["advice"]
         finally:
             subprocess.run(["umount", mnt], check=True)
-    missing = doctor.dev_shm(1, path="/nonexistent-dev-shm")
+    missing = system.dev_shm(1, path="/nonexistent-dev-shm")
     assert not missing["present"] and missing["sufficient"] is False
-    with pytest.raises(doctor.ConfigError, match="-5"):
-        doctor.dev_shm(-5)
+    with pytest.raises(ConfigError, match="-5"):
+        system.dev_shm(-5)

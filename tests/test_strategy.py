@@ -78,10 +78,10 @@ else:
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}})
 if MODE == "mwms":
-    from tf_rdma import _tf_private
+    import mwms_keras
     # Keras 3.15's fit does not run under multi-worker MWMS as is (see
     # patch_mwms_for_keras_fit).
-    strategy = _tf_private.patch_mwms_for_keras_fit(
+    strategy = mwms_keras.patch_mwms_for_keras_fit(
         tf.distribute.MultiWorkerMirroredStrategy())
     rank = strategy.cluster_resolver.task_id
 else:
@@ -375,7 +375,7 @@ def test_killed_worker_fails_fast():
                             "InternalError"), err
     assert err["elapsed_s"] < 5 + 5, err
     # Both buckets wait for the dead peer (collectives are not run in
-    # program order: tf_rdma/_tf_private.py); either may report first.
+    # program order: tf_rdma/_auto_control_deps.py); either may report first.
     for part in ("allreduce", ".bucket", "/job:worker/task:1"):
         assert part in err["message"], (part, err)
 

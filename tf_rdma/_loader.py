@@ -123,7 +123,7 @@ def load():
                 f"tf_rdma's op library was compiled against TensorFlow "
                 f"{compiled}, but TensorFlow {tf.__version__} is installed; "
                 f"{_REBUILD}")
-        from tf_rdma import _tf_private  # pylint: disable=g-import-not-at-top
-        _tf_private.register_order_insensitive_ops()
+        from tf_rdma import _auto_control_deps  # pylint: disable=g-import-not-at-top
+        _auto_control_deps.register_order_insensitive_ops()
         _loaded = _Library(path, ops, cdll)
         return _loaded

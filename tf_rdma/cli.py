@@ -1,10 +1,13 @@
 """The ``tf-rdma`` command line.
 
-Each subcommand lives in its own module, imported when the parser is
-built. None of them loads TensorFlow or the op library to build its parser
-(importing tf_rdma does not either): `launch`, `simulate` and `doctor` run
-without loading them, `doctor` reports an op library that does not load, and
-`inspect` loads TensorFlow when it traces.
+Each subcommand lives in its own module, which exposes one ``COMMAND``
+(:class:`tf_rdma.subcommand.Command`: its help texts, options and what runs
+it); :func:`commands` imports them when the parser is built, and
+:func:`build_parser` adds them in one loop. None of them loads TensorFlow or
+the op library to build its parser (importing tf_rdma does not either):
+`launch`, `simulate` and `doctor` run without loading them, `doctor` reports
+an op library that does not load, and `inspect` loads TensorFlow when it
+traces.
 
 The parsers are absl's ``argparse_flags.ArgumentParser``: plain argparse
 for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
@@ -17,7 +20,7 @@ import sys
 
 from absl.flags import argparse_flags
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "commands"]
 
 _DESCRIPTION = """\
 tf_rdma: zero-copy, preallocated tensor transfers and pipelined collectives
@@ -25,81 +28,20 @@ for distributed TensorFlow over RDMA, shared memory or TCP.
 """
 
 
-def _add_launch(subparsers):
+def commands():
+    """The subcommands, in the order ``tf-rdma --help`` lists them.
+
+    Returns:
+        A list of :class:`tf_rdma.subcommand.Command`: each subcommand
+        module's ``COMMAND``.
+    """
+    # pylint: disable=import-outside-toplevel
     from tf_rdma import launch
+    from tf_rdma.collectives.simulate import command as simulate_command
+    from tf_rdma.doctor import command as doctor_command
+    from tf_rdma.inspect import command as inspect_command
 
-    parser = subparsers.add_parser(
-        "launch",
-        help="start N local tf_rdma servers and run a command against them",
-        usage=launch._USAGE,
-        description=launch._DESCRIPTION,
-        epilog=launch._EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    launch.add_arguments(parser)
-
-    def run(args):
-        return launch.run(args, parser)
-
-    parser.set_defaults(func=run)
-
-
-def _add_inspect(subparsers):
-    from tf_rdma import inspect_cli
-
-    parser = subparsers.add_parser(
-        "inspect",
-        help="show the transfer plan of a function, SavedModel or GraphDef",
-        usage=inspect_cli._USAGE,
-        description=inspect_cli._DESCRIPTION,
-        epilog=inspect_cli._EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    inspect_cli.add_arguments(parser)
-
-    def run(args):
-        return inspect_cli.run(args, parser)
-
-    parser.set_defaults(func=run)
-
-
-def _add_simulate(subparsers):
-    from tf_rdma.collectives import simulate
-
-    parser = subparsers.add_parser(
-        "simulate",
-        help="simulate the collectives (lp, ring, tree, rhd) under the "
-             "alpha-beta-gamma cost model",
-        usage=simulate._USAGE,
-        description=simulate._DESCRIPTION,
-        epilog=simulate._EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    simulate.add_arguments(parser)
-
-    def run(args):
-        return simulate.run(args, parser)
-
-    parser.set_defaults(func=run)
-
-
-def _add_doctor(subparsers):
-    from tf_rdma import doctor
-
-    parser = subparsers.add_parser(
-        "doctor",
-        help="report RDMA devices, pyverbs, memlock, kernel support and the transport choice",
-        usage=doctor._USAGE,
-        description=doctor._DESCRIPTION,
-        epilog=doctor._EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    doctor.add_arguments(parser)
-
-    def run(args):
-        return doctor.run(args, parser)
-
-    parser.set_defaults(func=run)
+    return [launch.COMMAND, inspect_command.COMMAND, simulate_command.COMMAND, doctor_command.COMMAND]
 
 
 def build_parser():
@@ -117,10 +59,8 @@ def build_parser():
     )
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands")
     subparsers.required = True
-    _add_launch(subparsers)
-    _add_inspect(subparsers)
-    _add_simulate(subparsers)
-    _add_doctor(subparsers)
+    for command in commands():
+        command.add_to(subparsers)
     return parser
 
 

@@ -35,7 +35,7 @@ import threading
 
 import tensorflow as tf
 
-from tf_rdma import doctor
+from tf_rdma.doctor import transports
 from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import rewrite as passes
 from tf_rdma.ops import timeout_to_ms
@@ -169,7 +169,7 @@ class RewrittenFunction:
                             for t in a.plan.transfers})
             lines = ["transports:"]
             try:
-                for row in doctor.plan_transports(pairs, cluster):
+                for row in transports.plan_transports(pairs, cluster):
                     lines.append(f"  {row['src']} -> {row['dst']}: "
                                  f"{row['transport'] or '?'} ({row['status']}: "
                                  f"{row['reason']})")

@@ -50,8 +50,9 @@ import time
 
 from tf_rdma import cluster as _cluster
 from tf_rdma.errors import ConfigError
+from tf_rdma.subcommand import Command
 
-__all__ = ["main", "add_arguments", "run", "READY_PREFIX"]
+__all__ = ["main", "add_arguments", "run", "COMMAND", "READY_PREFIX"]
 
 #: The line (prefix) a server prints on stdout once it is serving.
 READY_PREFIX = "tf_rdma server ready:"
@@ -250,6 +251,18 @@ def run(args, parser=None):
         print(f"{_PREFIX}could not pick ports for the cluster: {err}", file=sys.stderr)
         return 1
     return launcher.run()
+
+
+#: ``tf-rdma launch``, for the ``tf-rdma`` parser (tf_rdma.cli).
+COMMAND = Command(
+    name="launch",
+    help="start N local tf_rdma servers and run a command against them",
+    usage=_USAGE,
+    description=_DESCRIPTION,
+    epilog=_EPILOG,
+    add_arguments=add_arguments,
+    run=run,
+)
 
 
 # --------------------------------------------------------------------------- implementation

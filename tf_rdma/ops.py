@@ -21,7 +21,7 @@ places both ops (client-driven) and calls may overlap, pass
 only that call's ``recv`` takes it (what ``@tf_rdma.rewrite`` does). Within a function, the sends (and the
 recvs) of one key run in program order; otherwise tf_rdma ops are not ordered
 against other stateful ops, so a ``recv`` may be written before its ``send``
-(see tf_rdma/_tf_private.py).
+(see tf_rdma/_auto_control_deps.py).
 """
 
 import math

@@ -41,6 +41,7 @@ import operator
 __all__ = [
     "ALGORITHMS", "DEFAULT_DEPTH", "DEFAULT_PARAMS", "KINDS", "MAX_BLOCK",
     "MIN_BLOCK", "Params", "block_size", "choose", "time", "times",
+    "check_algorithm", "check_int", "check_kind", "check_params", "tree_shape",
 ]
 
 KINDS = ("allreduce", "broadcast", "reduce", "allgather")
@@ -106,18 +107,28 @@ DEFAULT_PARAMS = Params(alpha=20e-6, beta=1.0 / 4e9, gamma=1.0 / 3e9,
                         delta=1.0 / 4e9)
 
 
-def _check_kind(kind):
+# The argument checks of this module's functions, public because the
+# simulator (tf_rdma.collectives.simulate) takes the same arguments and
+# reports them with the same messages. Each raises ValueError naming the
+# argument and the value.
+
+
+def check_kind(kind):
+    """Raises ValueError unless ``kind`` is one of :data:`KINDS`."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
 
 
-def _check_algorithm(algorithm):
+def check_algorithm(algorithm):
+    """Raises ValueError unless ``algorithm`` is one of :data:`ALGORITHMS`."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of "
                          f"{', '.join(ALGORITHMS)}")
 
 
-def _check_int(name, value, minimum):
+def check_int(name, value, minimum):
+    """Returns ``value`` (an int or numpy integer, not a bool or float) if
+    it is at least ``minimum``; else raises ValueError naming ``name``."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -130,7 +141,8 @@ def _check_int(name, value, minimum):
     return value
 
 
-def _check_params(params):
+def check_params(params):
+    """Raises ValueError unless ``params`` is a :class:`Params`."""
     if not isinstance(params, Params):
         raise ValueError(f"params {params!r} must be a "
                          f"tf_rdma.collectives.cost.Params")
@@ -162,9 +174,9 @@ def block_size(nbytes, P, params=DEFAULT_PARAMS):
     Raises:
         ValueError: On a negative or non-integer ``nbytes`` or ``P`` < 1.
     """
-    nbytes = _check_int("nbytes", nbytes, 0)
-    P = _check_int("P", P, 1)
-    _check_params(params)
+    nbytes = check_int("nbytes", nbytes, 0)
+    P = check_int("P", P, 1)
+    check_params(params)
     fill = max((P - 2) * (params.beta + params.delta),
                min(params.beta, params.delta))
     b = math.sqrt(max(nbytes, 1) * params.alpha / fill)
@@ -233,8 +245,12 @@ def _gather_to_root(x, senders, b, p, depth):
 
 
 @functools.lru_cache(maxsize=256)
-def _tree_shape(P):
-    """Per relative rank v of a binomial tree of P ranks: its children."""
+def tree_shape(P):
+    """Per relative rank v of a binomial tree of P ranks: its children.
+
+    The tree of kernels/engine/collective.cc (rank v's parent is v with its
+    lowest set bit cleared); the simulator plays its schedules on it too.
+    """
     children = []
     for v in range(P):
         kids = []
@@ -259,7 +275,7 @@ def _tree_bcast(P, nb, h, d):
     # times.
     first = max(sum(p + 1 for p in range(v.bit_length()) if v >> p & 1) * h
                 + bin(v).count("1") * d for v in range(P))
-    kids = _tree_shape(P)
+    kids = tree_shape(P)
     pace = max([len(kids[0]) * h] + [d + len(kids[v]) * h
                                      for v in range(1, P)])
     return first + (nb - 1) * pace
@@ -268,7 +284,7 @@ def _tree_bcast(P, nb, h, d):
 def _tree_reduce_latency(P, g, h):
     # One block up the tree: a rank adds its children's blocks in order
     # (waiting for each), then sends the sum to its parent.
-    children = _tree_shape(P)
+    children = tree_shape(P)
     ready = [0.0] * P  # when v's block arrives at its parent
     for v in range(P - 1, -1, -1):  # children have larger relative ranks
         t = 0.0
@@ -282,7 +298,7 @@ def _tree_gather(P, n, b, p, depth):
     # Each rank receives its children's subtrees (copying them out, d per
     # block) one child after another, then sends its own subtree's pieces
     # to its parent.
-    children = _tree_shape(P)
+    children = tree_shape(P)
     ready = [0.0] * P  # when v has received its subtree (starts sending up)
     for v in range(P - 1, -1, -1):
         t = 0.0
@@ -379,7 +395,7 @@ def _tree(kind, n, P, b, p, depth):
              else _tree_bcast(P, nb, h, d))
     # Reduce: the root adds L children per block (L·g), a rank with m
     # children m·g + h; the slowest sets the pace.
-    inner = max((len(k) for k in _tree_shape(P)[1:]), default=0)
+    inner = max((len(k) for k in tree_shape(P)[1:]), default=0)
     pace = max(L * g, inner * g + h)
     red = _tree_reduce_latency(P, g, h) + (nb - 1) * pace
     if kind == "broadcast":
@@ -460,16 +476,16 @@ def time(kind, algorithm, nbytes, P, block_bytes=None, params=DEFAULT_PARAMS,
         ValueError: On an unknown kind or algorithm, or a bad ``nbytes``,
             ``P``, ``block_bytes`` or ``depth``; the message names the value.
     """
-    _check_kind(kind)
-    _check_algorithm(algorithm)
-    nbytes = _check_int("nbytes", nbytes, 0)
-    P = _check_int("P", P, 1)
-    depth = _check_int("depth", depth, 1)
-    _check_params(params)
+    check_kind(kind)
+    check_algorithm(algorithm)
+    nbytes = check_int("nbytes", nbytes, 0)
+    P = check_int("P", P, 1)
+    depth = check_int("depth", depth, 1)
+    check_params(params)
     if block_bytes is None:
         block_bytes = block_size(nbytes * P if kind == "allgather" else nbytes,
                                  P, params)
-    block_bytes = _check_int("block_bytes", block_bytes, 1)
+    block_bytes = check_int("block_bytes", block_bytes, 1)
     if P == 1 or nbytes == 0:
         return 0.0
     if algorithm == "lp":
@@ -500,15 +516,15 @@ def choose(kind, nbytes, P, params=DEFAULT_PARAMS, algorithms=ALGORITHMS):
         ValueError: On a bad kind, algorithm, ``nbytes`` or ``P``, or an
             empty ``algorithms``.
     """
-    _check_kind(kind)
+    check_kind(kind)
     algorithms = tuple(algorithms)
     if not algorithms:
         raise ValueError(f"algorithms {algorithms!r} is empty; pick from "
                          f"{', '.join(ALGORITHMS)}")
     for a in algorithms:
-        _check_algorithm(a)
-    nbytes = _check_int("nbytes", nbytes, 0)
-    P = _check_int("P", P, 1)
+        check_algorithm(a)
+    nbytes = check_int("nbytes", nbytes, 0)
+    P = check_int("P", P, 1)
     b = block_size(nbytes * P if kind == "allgather" else nbytes, P, params)
     best = None
     for a in sorted(set(algorithms), key=ALGORITHMS.index):
