@@ -1,9 +1,9 @@
 """Builds and installs tf_rdma.
 
-The op library (kernels/ops, kernels/engine, kernels/transport/{shm,tcp}) is
-compiled into one shared object, tf_rdma/_tf_rdma_ops.so, with the compile and
-link flags of the TensorFlow that is installed where this package is being
-installed (tf.sysconfig). The TensorFlow version it was built against is
+The op library (kernels/ops, kernels/engine, kernels/transport/{shm,tcp},
+kernels/common) is compiled into one shared object, tf_rdma/_tf_rdma_ops.so,
+with the compile and link flags of the TensorFlow that is installed where this
+package is being installed (tf.sysconfig). The TensorFlow version it was built against is
 recorded in tf_rdma/_build_info.json, so that `import tf_rdma` can tell a
 mismatch apart from a missing library.
 
@@ -36,8 +36,9 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = "tf_rdma._tf_rdma_ops"
 LIBRARY_FILE = "_tf_rdma_ops.so"
-CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport",
-                    "kernels/transport/shm", "kernels/transport/tcp"]
+CORE_SOURCE_DIRS = ["kernels/common", "kernels/engine", "kernels/ops",
+                    "kernels/transport", "kernels/transport/shm",
+                    "kernels/transport/tcp"]
 # The verbs backend is a separate plugin, linked to libibverbs and dlopened by
 # the core only when verbs is allowed; built only where the headers exist.
 VERBS_FILE = "_tf_rdma_verbs.so"

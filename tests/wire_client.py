@@ -2,7 +2,7 @@
 
 Tests that attack or fuzz an endpoint speak the protocol through `RawPeer`:
 the handshake of kernels/engine/engine.cc ("Bootstrap handshake") and the
-frames of kernels/engine/wire.h. It is written from those comments, not from
+frames of kernels/common/wire.h. It is written from those comments, not from
 the C++ code, so that a test passing through it shows that the documented
 protocol is the real one.
 """

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
-#include "kernels/engine/sha256.h"
 #include "kernels/transport/plugin.h"
 
 namespace {

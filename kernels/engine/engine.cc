@@ -20,7 +20,7 @@
 #include <sstream>
 #include <system_error>
 
-#include "kernels/engine/sha256.h"
+#include "kernels/common/sha256.h"
 #include "kernels/transport/plugin.h"
 #include "kernels/transport/shm/pair.h"
 #include "kernels/transport/tcp/pair.h"

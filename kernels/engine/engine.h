@@ -36,10 +36,10 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
+#include "kernels/common/wire.h"
 #include "kernels/transport/transport.h"
 #include "kernels/transport/verbs/device.h"
 

@@ -10,7 +10,7 @@
 //     sees the payload.
 //
 // The reader never takes part: it waits on the notice word in its own memory
-// (engine/wait.h). That is RDMA semantics, and each backend provides it its
+// (common/wait.h). That is RDMA semantics, and each backend provides it its
 // own way:
 //   - shm:   the peer's segment is mapped here; memcpy, release-store, futex
 //            wake. No thread on the receiving side is involved.
@@ -35,9 +35,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
+#include "kernels/common/region.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 

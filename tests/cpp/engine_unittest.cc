@@ -52,11 +52,11 @@
 #include <vector>
 
 #include "kernels/engine/engine.h"
-#include "kernels/engine/region.h"
-#include "kernels/engine/sha256.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/sha256.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
+#include "kernels/common/wire.h"
 #include "kernels/transport/shm/pair.h"
 #include "kernels/transport/tcp/pair.h"
 #include "kernels/transport/transport.h"

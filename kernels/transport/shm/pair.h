@@ -12,7 +12,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/engine/region.h"
+#include "kernels/common/region.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {

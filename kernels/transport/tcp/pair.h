@@ -1,7 +1,7 @@
 // The TCP backend: any two hosts.
 //
 // TCP has no one-sided write, so it is emulated: the writer sends a WRITE
-// frame (engine/wire.h) — header then payload, in one sendmsg — on the pair's
+// frame (common/wire.h) — header then payload, in one sendmsg — on the pair's
 // connection, and the reader's progress thread, which owns the receiving end
 // of every connection, reads the payload straight into the region (no
 // staging buffer) and publishes the notice word (ApplyWrite). The reader
@@ -14,8 +14,8 @@
 #include <functional>
 #include <mutex>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/wire.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {

@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {

@@ -41,7 +41,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 #include "kernels/transport/verbs/context.h"
 
 namespace tf_rdma {

@@ -26,15 +26,15 @@
 // name up (the collector removes it) and takes the next one. Only a holder
 // of a segment's lock removes its name, and the owner removes it before it
 // lets go of the lock. Each owned region keeps one fd open for the lock.
-#ifndef TF_RDMA_ENGINE_REGION_H_
-#define TF_RDMA_ENGINE_REGION_H_
+#ifndef TF_RDMA_COMMON_REGION_H_
+#define TF_RDMA_COMMON_REGION_H_
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 
 namespace tf_rdma {
 
@@ -90,4 +90,4 @@ int RemoveStaleSegments(uint64_t* bytes);
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_ENGINE_REGION_H_
+#endif  // TF_RDMA_COMMON_REGION_H_

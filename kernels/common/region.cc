@@ -1,4 +1,4 @@
-#include "kernels/engine/region.h"
+#include "kernels/common/region.h"
 
 #include <dirent.h>
 #include <fcntl.h>
