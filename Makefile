@@ -124,7 +124,8 @@ FUZZ_INSTALL ?= 1
 # transports' core side (the verbs plugin itself needs libibverbs).
 FUZZ_ENGINE := $(wildcard kernels/common/*.cc) \
   $(filter-out kernels/engine/c_api.cc kernels/engine/collective.cc,$(wildcard kernels/engine/*.cc)) \
-  kernels/transport/plugin.cc kernels/transport/shm/pair.cc kernels/transport/tcp/pair.cc
+  $(wildcard kernels/transport/*.cc kernels/transport/shm/*.cc kernels/transport/tcp/*.cc) \
+  kernels/transport/verbs/factory.cc
 FUZZ_FLAGS := -std=c++17 -O1 -g -I. -fno-omit-frame-pointer -fno-sanitize-recover=all
 CLANG_TRIED := build/.clang-tried
 

@@ -41,8 +41,11 @@ CORE_SOURCE_DIRS = ["kernels/common", "kernels/engine", "kernels/ops",
                     "kernels/transport/tcp"]
 # The verbs backend is a separate plugin, linked to libibverbs and dlopened by
 # the core only when verbs is allowed; built only where the headers exist.
+# Its factory.cc is the core's side of it (it dlopens the plugin): compiled
+# into the core library, always, and not into the plugin.
 VERBS_FILE = "_tf_rdma_verbs.so"
 VERBS_SOURCE_DIR = "kernels/transport/verbs"
+VERBS_CORE_SOURCE = "kernels/transport/verbs/factory.cc"
 VERBS_HEADER = "infiniband/verbs.h"
 
 _QUERY = """
@@ -69,7 +72,13 @@ def tensorflow_build_flags():
 
 
 def core_sources():
-    return [src for d in CORE_SOURCE_DIRS for src in sources_in(d)]
+    return ([src for d in CORE_SOURCE_DIRS for src in sources_in(d)]
+            + [VERBS_CORE_SOURCE])
+
+
+def verbs_plugin_sources():
+    return [src for src in sources_in(VERBS_SOURCE_DIR)
+            if src != VERBS_CORE_SOURCE]
 
 
 def sources_in(directory):
@@ -131,7 +140,7 @@ class BuildOpLibrary(build_ext):
 
         verbs_sources = []
         if verbs_headers_present(cxx):
-            verbs_sources = sources_in(VERBS_SOURCE_DIR)
+            verbs_sources = verbs_plugin_sources()
         else:
             print("tf_rdma: %s not found (install libibverbs-dev): building "
                   "without the verbs transport" % VERBS_HEADER, flush=True)

@@ -6,7 +6,7 @@
 
 #include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
-#include "kernels/transport/plugin.h"
+#include "kernels/transport/factory.h"
 
 namespace {
 
@@ -78,12 +78,14 @@ int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
       verbs_lines + "task=probe\nlisten=" + listen +
           "\nsecret=probe-needs-no-secret\n",
       &c);
+  tf_rdma::TransportOptions options;
   int port = 0;
-  if (s.ok()) s = tf_rdma::SplitHostPort(listen, &c.verbs.local_host, &port);
-  std::unique_ptr<tf_rdma::VerbsDevice> device;
-  if (s.ok()) s = tf_rdma::OpenVerbs(c.verbs, &device);
+  if (s.ok()) s = tf_rdma::SplitHostPort(listen, &options.local_host, &port);
+  options.verbs = c.verbs;
+  std::unique_ptr<tf_rdma::Transport> verbs;
+  if (s.ok()) s = tf_rdma::OpenTransport("verbs", options, &verbs);
   if (!s.ok()) return Fail(s, out, outlen);
-  return Fail(tf_rdma::Status(tf_rdma::Code::kOk, device->Describe()), out,
+  return Fail(tf_rdma::Status(tf_rdma::Code::kOk, verbs->Describe()), out,
               outlen);
 }
 

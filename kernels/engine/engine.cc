@@ -21,9 +21,8 @@
 #include <system_error>
 
 #include "kernels/common/sha256.h"
-#include "kernels/transport/plugin.h"
-#include "kernels/transport/shm/pair.h"
-#include "kernels/transport/tcp/pair.h"
+#include "kernels/common/text.h"
+#include "kernels/transport/factory.h"
 
 namespace tf_rdma {
 
@@ -176,50 +175,11 @@ bool SameProof(const std::string& a, const std::string& b) {
                            a.size());
 }
 
-std::vector<std::string> Split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream in(s);
-  while (std::getline(in, cur, sep)) {
-    if (!cur.empty()) out.push_back(cur);
-  }
-  return out;
-}
-
-std::string Join(const std::vector<std::string>& parts, const char* sep) {
-  std::string out;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (i) out += sep;
-    out += parts[i];
-  }
-  return out;
-}
-
 std::string ReadFirstLine(const char* path) {
   std::ifstream in(path);
   std::string line;
   std::getline(in, line);
   return line;
-}
-
-// Peer-supplied text made safe for one log line: control and non-ASCII
-// bytes as \xNN, cut at `max` characters with the original length noted.
-std::string Printable(const std::string& text, size_t max = 80) {
-  std::string out;
-  for (size_t i = 0; i < text.size() && i < max; ++i) {
-    unsigned char c = static_cast<unsigned char>(text[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      char esc[8];
-      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
-      out += esc;
-    }
-  }
-  if (text.size() > max) {
-    out += "... (" + std::to_string(text.size()) + " bytes)";
-  }
-  return out;
 }
 
 Code CodeFromInt(uint64_t c) {
@@ -581,7 +541,7 @@ Status Engine::Start(const EngineConfig& config) {
         (stale == 1 ? "" : "s") + " (" + std::to_string(stale_bytes) +
         " bytes) that processes which died had left in /dev/shm");
   }
-  TF_RDMA_RETURN_IF_ERROR(StartVerbs(config, host));
+  TF_RDMA_RETURN_IF_ERROR(StartTransports(config, host));
   TF_RDMA_RETURN_IF_ERROR(Listen(host, port, &listen_fd_, &listen_port_)
                               .Prefixed("starting the tf_rdma endpoint"));
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -607,36 +567,51 @@ Status Engine::Start(const EngineConfig& config) {
   return Status::Ok();
 }
 
-Status Engine::StartVerbs(const EngineConfig& config, const std::string& host) {
+Status Engine::StartTransports(const EngineConfig& config,
+                               const std::string& host) {
   // Caller holds mu_.
   std::vector<std::string> wanted = TransportPreference(config.transport);
-  if (!Contains(wanted, "verbs")) {
-    verbs_unusable_ = "not asked for (TF_RDMA_TRANSPORT=" + config.transport +
-                      ")";
-    return Status::Ok();
+  TransportOptions options;
+  options.local_host = host;
+  options.timeout_ms = config.timeout_ms;
+  options.verbs = config.verbs;
+  for (const std::string& name : TransportPreference("auto")) {
+    if (!Contains(wanted, name)) {
+      unusable_[name] = "not asked for (TF_RDMA_TRANSPORT=" +
+                        config.transport + ")";
+      continue;
+    }
+    if (transports_.count(name)) continue;  // opened by an earlier Start
+    std::unique_ptr<Transport> transport;
+    Status s = OpenTransport(name, options, &transport);
+    if (s.ok()) {
+      unusable_.erase(name);
+      std::string device = transport->Describe();
+      if (!device.empty()) Log(name + ": " + device);
+      transports_[name] = std::move(transport);
+      continue;
+    }
+    unusable_[name] = s.message();
+    // A list without tcp leaves some pairs (other hosts) nothing but this
+    // one: better a clear error now than a refused connection later.
+    if (!Contains(wanted, "tcp")) {
+      return FailedPrecondition("TF_RDMA_TRANSPORT=" + config.transport +
+                                " asks for " + name + ", but " + name +
+                                " cannot be used here: " + s.message());
+    }
+    std::vector<std::string> others;
+    for (const std::string& t : wanted) {
+      if (t != name) others.push_back(t);
+    }
+    // Once per process and transport, however many starts.
+    static std::mutex logged_mu;
+    static std::set<std::string>* logged = new std::set<std::string>();
+    std::lock_guard<std::mutex> lock(logged_mu);
+    if (logged->insert(name).second) {
+      Log(name + " is not usable, so pairs use " + Join(others, " or ") +
+          ": " + s.message());
+    }
   }
-  if (verbs_) return Status::Ok();  // opened by an earlier Start
-  VerbsSettings settings = config.verbs;
-  settings.local_host = host;
-  settings.timeout_ms = config.timeout_ms;
-  Status s = OpenVerbs(settings, &verbs_);
-  if (s.ok()) {
-    verbs_unusable_.clear();
-    Log("verbs: " + verbs_->Describe());
-    return Status::Ok();
-  }
-  verbs_unusable_ = s.message();
-  // A list without tcp leaves some pairs (other hosts) nothing but verbs:
-  // better a clear error now than a refused connection later.
-  if (!Contains(wanted, "tcp")) {
-    return FailedPrecondition("TF_RDMA_TRANSPORT=" + config.transport +
-                              " asks for verbs, but verbs cannot be used "
-                              "here: " + s.message());
-  }
-  static std::once_flag logged;  // once per process, however many starts
-  std::call_once(logged, [&] {
-    Log("verbs is not usable, so pairs use shm or tcp: " + s.message());
-  });
   return Status::Ok();
 }
 
@@ -662,10 +637,12 @@ void Engine::LogExpectedTransports() {
     if (expected.empty()) {
       line += "no transport (only shm is allowed and the peer is on another "
               "host)";
-    } else if (expected == "verbs") {
-      line += "verbs (" + verbs_->Describe() + ")" +
+    } else if (!transports_.at(expected)->Describe().empty()) {
+      // A device (verbs): the peer may not have one.
+      line += expected + " (" + transports_.at(expected)->Describe() + ")" +
               (fallback.empty() ? "" : ", or " + fallback +
-                                           " if the peer cannot use verbs");
+                                           " if the peer cannot use " +
+                                           expected);
     } else {
       line += expected + (expected == "shm" ? " (same host)"
                           : local         ? ""
@@ -710,8 +687,10 @@ std::string Engine::Info() {
   // Connections closed before or during their handshake (limits, denials).
   out += "refused_connections=" + std::to_string(refused_connections_.load()) +
          "\n";
-  out += "verbs=" + (verbs_ ? verbs_->Describe()
-                            : "unusable: " + verbs_unusable_) + "\n";
+  auto verbs = transports_.find("verbs");
+  out += "verbs=" + (verbs != transports_.end()
+                         ? verbs->second->Describe()
+                         : "unusable: " + unusable_["verbs"]) + "\n";
   for (const auto& conn : connections_) {
     const Connection& c = *conn;
     if (c.gone.load()) continue;
@@ -741,7 +720,7 @@ std::string Engine::HostId() const {
 std::vector<std::string> Engine::AllowedTransports() const {
   std::vector<std::string> out;
   for (const std::string& t : TransportPreference(config_.transport)) {
-    if (t != "verbs" || verbs_) out.push_back(t);
+    if (transports_.count(t)) out.push_back(t);
   }
   return out;
 }
@@ -1184,46 +1163,22 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
   return Status::Ok();
 }
 
-// The verbs leg of the handshake: each side sends "VERBS <address>" (its
-// queue pair's LID, GID, QP number, PSN and MTU), the dialling side first;
-// the accepting side brings its queue pair up before it answers, so that it
-// is ready to receive by the time the dialling side can send.
+// The pair of the transport both ends chose, made by its backend (a set-up
+// exchange on the connection, verbs's queue pair addresses, is the
+// backend's: transport/verbs/factory.cc).
 Status Engine::MakePair(const std::string& transport, bool dialed,
                         const std::shared_ptr<Connection>& conn,
                         const Deadline& deadline) {
-  if (transport == "shm") {
-    conn->pair.reset(new shm::Pair());
-    return Status::Ok();
+  auto it = transports_.find(transport);
+  if (it == transports_.end()) {
+    return Unavailable("the " + transport + " transport is not open here");
   }
-  if (transport == "tcp") {
-    conn->pair.reset(new tcp::Pair(conn->fd, &conn->send_mu));
-    return Status::Ok();
-  }
-  std::unique_ptr<VerbsPair> pair;
-  TF_RDMA_RETURN_IF_ERROR(verbs_->NewPair(&pair).Prefixed(
-      "setting up a verbs queue pair for " + conn->peer));
-  std::string mine = "VERBS " + pair->address() + "\n";
-  std::string line;
-  if (dialed) {
-    TF_RDMA_RETURN_IF_ERROR(
-        SendAll(conn->fd, mine.data(), mine.size(), deadline));
-  }
-  TF_RDMA_RETURN_IF_ERROR(RecvLine(conn->fd, &line, kMaxLine, deadline));
-  if (line.rfind("DENIED ", 0) == 0) {
-    return Unavailable("refused: " + Printable(line.substr(7), 400));
-  }
-  if (line.rfind("VERBS ", 0) != 0) {
-    return Unavailable("expected the peer's verbs address, got '" +
-                       Printable(line, 60) + "'");
-  }
-  TF_RDMA_RETURN_IF_ERROR(pair->Connect(line.substr(6)).Prefixed(
-      "connecting the verbs queue pair to " + conn->peer));
-  if (!dialed) {
-    TF_RDMA_RETURN_IF_ERROR(
-        SendAll(conn->fd, mine.data(), mine.size(), deadline));
-  }
-  conn->pair = std::move(pair);
-  return Status::Ok();
+  PairSetup setup;
+  setup.fd = conn->fd;
+  setup.send_mu = &conn->send_mu;
+  setup.dialed = dialed;
+  setup.peer = conn->peer;
+  return it->second->NewPair(setup, deadline, &conn->pair);
 }
 
 Status Engine::GetConnection(const std::string& peer, const Deadline& deadline,
@@ -1430,7 +1385,7 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
     s = InvalidArgument("bad frame magic from " + conn->peer);
   }
   if (s.ok() && h.type == kWrite) {
-    s = tcp::ApplyWrite(conn->fd, h, [this, &conn](uint32_t id) {
+    s = ApplyWriteFrame(conn->fd, h, [this, &conn](uint32_t id) {
       return RegionForPeer(*conn, id);
     });
     if (!s.ok()) {
@@ -1539,8 +1494,7 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   // runs at SIGKILL); once its process is gone their locks are free and
   // they can go (region.h). Try for a few seconds: the process may still be
   // exiting.
-  if (!stopping_ && conn->pair &&
-      std::string(conn->pair->transport()) == "shm") {
+  if (!stopping_ && conn->pair && conn->pair->maps_peer_segments()) {
     Schedule([this] {
       for (int i = 0; i < 30 && !stopping_; ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -40,8 +40,8 @@
 #include "kernels/common/status.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
+#include "kernels/transport/factory.h"
 #include "kernels/transport/transport.h"
-#include "kernels/transport/verbs/device.h"
 
 namespace tf_rdma {
 
@@ -266,8 +266,7 @@ class Engine {
   std::string RestartMessage(const std::string& peer, bool peer_writes);
   // Publishes the notices a verbs pair received (progress thread).
   void HandleNotices(const std::shared_ptr<Connection>& conn);
-  // Makes the pair of the transport both ends chose; verbs exchanges the
-  // queue pair addresses on `fd` first (the dialling side speaks first).
+  // Makes the pair of the transport both ends chose, through its backend.
   Status MakePair(const std::string& transport, bool dialed,
                   const std::shared_ptr<Connection>& conn,
                   const Deadline& deadline);
@@ -339,11 +338,12 @@ class Engine {
   int64_t TimeoutFor(const SlotSpec& spec) const;
   std::string HostId() const;
   std::vector<std::string> AllowedTransports() const;
-  // Opens the RDMA device when the transport setting allows verbs. An error
-  // only when verbs is unusable and the setting names it without tcp to fall
-  // back on; otherwise ("auto", "verbs,tcp", ...) the reason is logged once
-  // and kept (Info) and the pairs use the other transports.
-  Status StartVerbs(const EngineConfig& config, const std::string& host);
+  // Opens the backends the transport setting allows (transport/factory.h).
+  // One that cannot be used here (verbs without a device) is an error only
+  // when the setting has no tcp to fall back on; otherwise ("auto",
+  // "verbs,tcp", ...) the reason is logged once and kept (Info) and the
+  // pairs use the other transports.
+  Status StartTransports(const EngineConfig& config, const std::string& host);
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
 
@@ -370,9 +370,10 @@ class Engine {
   std::map<std::string, std::string> peer_incarnation_;
   // Connections whose notices arrive as messages (verbs), by notice fd.
   std::map<int, std::shared_ptr<Connection>> by_notice_fd_;
-  // The RDMA device (opened once per process), or why it is not used.
-  std::unique_ptr<VerbsDevice> verbs_;
-  std::string verbs_unusable_;
+  // The backends opened (once per process: verbs holds the RDMA device),
+  // by name, and why the others are not used.
+  std::map<std::string, std::unique_ptr<Transport>> transports_;
+  std::map<std::string, std::string> unusable_;
   std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
   std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
   std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;

@@ -11,7 +11,6 @@
 #define TF_RDMA_TRANSPORT_TCP_PAIR_H_
 
 #include <atomic>
-#include <functional>
 #include <mutex>
 
 #include "kernels/common/region.h"
@@ -39,9 +38,6 @@ class Pair : public ::tf_rdma::Pair {
   std::atomic<bool> broken_{false};  // a frame was cut off by its deadline
   RemoteRegions regions_;
 };
-
-// Returns the local region a peer may write with this id, or nullptr.
-using RegionLookup = std::function<Region*(uint32_t id)>;
 
 // Applies a WRITE frame whose header `h` was just read from `fd`: checks it,
 // reads the payload into the region and publishes the notice. An error means
