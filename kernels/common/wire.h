@@ -2,8 +2,8 @@
 //
 // Each directed pair of tasks (writer -> reader) has one TCP connection,
 // dialled by the writer to the reader's endpoint. It starts with a text
-// handshake (engine.cc: challenge, HELLO with an HMAC proof of the job
-// secret, WELCOME with the reader's proof and the chosen transport), then
+// handshake (engine/handshake.cc: challenge, HELLO with an HMAC proof of the
+// job secret, WELCOME with the reader's proof and the chosen transport), then
 // carries binary frames in both directions:
 //
 //   FrameHeader (48 bytes, little-endian) [+ body]

@@ -20,6 +20,14 @@
 // The credit words live in a small region of the writer's, so credits travel
 // exactly like data: a one-sided write with a notice. Nothing on either side
 // ever blocks without a deadline, and a dead peer fails every wait on it.
+//
+// Engine is one class, defined across files named for their jobs:
+// engine.cc (start and stop), config.cc (config and slot specs),
+// handshake.cc (the bootstrap handshake), peers.cc (restarted peers),
+// connections.cc (connections after the handshake), regions.cc (regions and
+// OPEN requests), send.cc, match.cc (matching calls), recv.cc, poller.cc
+// (waiting for a recv without a thread per wait) and thread_pool.{h,cc}
+// (blocking-work threads); engine_internal.h holds the state they share.
 #ifndef TF_RDMA_ENGINE_ENGINE_H_
 #define TF_RDMA_ENGINE_ENGINE_H_
 
@@ -40,6 +48,7 @@
 #include "kernels/common/status.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
+#include "kernels/engine/thread_pool.h"
 #include "kernels/transport/factory.h"
 #include "kernels/transport/transport.h"
 
@@ -120,8 +129,8 @@ struct SlotSpec {
   int64_t credit_index = 0;
   int64_t timeout_ms = -1;  // < 0: the engine's default
   // Calls of a rewritten function may overlap: each write carries the
-  // call's id and the reader takes only its own call's copy (see "Matching
-  // calls" in engine.cc). false: both sides pair their ops in order.
+  // call's id and the reader takes only its own call's copy (see
+  // match.cc). false: both sides pair their ops in order.
   bool match_calls = false;
 
   // Checks that the slot fits its region and its credit line fits the credit
@@ -215,8 +224,8 @@ class Engine {
   // ticket->payload, checks it against the payload area it names, and
   // points ticket->payload at the tensor's bytes.
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
-  // Waits for the data without holding a thread: the wait joins the poller (see
-  // engine.cc, "The poller") and `done` is called exactly once with the
+  // Waits for the data without holding a thread: the wait joins the poller
+  // (see poller.cc) and `done` is called exactly once with the
   // outcome, on the poller thread (or an engine thread, see there). A
   // failed step has been given back when `done` runs.
   using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
@@ -224,7 +233,7 @@ class Engine {
   // Called by a send op on TensorFlow's thread once its data is written:
   // if recvs of this process are waiting, polls them for up to
   // kHelpPollFactor * poll_us and completes the first one whose data lands,
-  // on this thread. Returns true if it completed one. See engine.cc.
+  // on this thread. Returns true if it completed one. See poller.cc.
   bool HelpRecvs();
   void Release(const RecvTicket& ticket);
 
@@ -239,7 +248,7 @@ class Engine {
 
   void Log(const std::string& line);
   // Log for lines a peer can cause (rejections): at most a few per
-  // interval, then one summary line (engine.cc, "Bootstrap handshake").
+  // interval, then one summary line (handshake.cc).
   void LogLimited(const std::string& line);
   // Connections refused or rejected before or in the handshake.
   uint64_t refused_connections() const;
@@ -261,7 +270,7 @@ class Engine {
   void HandleFrame(const std::shared_ptr<Connection>& conn);
   void FlushLimitedLog();
   void FlushLimitedLocked();
-  // Restarted peers (engine.cc).
+  // Restarted peers (peers.cc).
   void NotePeerIncarnation(const std::shared_ptr<Connection>& conn);
   std::string RestartMessage(const std::string& peer, bool peer_writes);
   // Publishes the notices a verbs pair received (progress thread).
@@ -304,7 +313,7 @@ class Engine {
                         const Deadline& deadline, SendRegion* region);
   Status SendStep(SendTicket ticket, const void* data,
                   const DynamicMeta* meta);
-  // Matching calls (engine.cc): the writer takes any free copy, the reader
+  // Matching calls (match.cc): the writer takes any free copy, the reader
   // the copy its call's writer filled.
   Status AcquireCopy(SendTicket* ticket,
                      const std::shared_ptr<Connection>& conn,
@@ -324,7 +333,7 @@ class Engine {
                       const Status& timeout);
   void GiveBackRecv(RecvTicket* ticket, const Status& why);
 
-  // The poller (engine.cc).
+  // The poller (poller.cc).
   struct PendingRecv;
   void PollerLoop();
   void RingPoller();
@@ -346,8 +355,6 @@ class Engine {
   Status StartTransports(const EngineConfig& config, const std::string& host);
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
-
-  void PoolThread();
 
   EngineConfig config_;
   std::string incarnation_;  // random per Start (see "Restarted peers")
@@ -397,12 +404,8 @@ class Engine {
   uint64_t limited_suppressed_ = 0;
   std::string limited_last_;
 
-  // Blocking-work threads (Schedule); grows on demand, idle threads exit.
-  int pool_threads_ = 0;  // under pool_mu_
-  std::mutex pool_mu_;
-  std::condition_variable pool_cv_;
-  std::deque<std::function<void()>> pool_queue_;
-  int pool_idle_ = 0;
+  // Blocking-work threads (Schedule).
+  ThreadPool pool_{[this](const std::string& line) { LogLimited(line); }};
 
   // The poller: one thread, started with the first wait it gets.
   std::once_flag poller_once_;
