@@ -353,12 +353,12 @@ tf_rdma::SlotSpec GoodSlot() {
   return s;
 }
 
-// The slot layout of engine.h's protocol comment, restated here because
-// engine.cc's helpers (CopyOf, CopyOffset, CreditWord, CreditNeeded) are in
-// an anonymous namespace: copy c of a slot starts at offset + c * stride
-// (64-byte header: sequence word at +0, call word at +8, then the payload),
-// and its credit line is line credit_index * depth + c of the credit region,
-// kCreditLineBytes each, the credit word first.
+// The slot layout of engine.h's protocol comment, restated here apart from
+// the engine's own helpers (CopyOffset, CreditWord in engine_internal.h), so
+// that it pins the layout they must follow: copy c of a slot starts at
+// offset + c * stride (64-byte header: sequence word at +0, call word at +8,
+// then the payload), and its credit line is line credit_index * depth + c of
+// the credit region, kCreditLineBytes each, the credit word first.
 uint64_t CopyOffset(const tf_rdma::SlotSpec& s, uint64_t copy) {
   return s.offset + copy * s.stride;
 }
@@ -520,7 +520,7 @@ TEST(wire_parse_uint_rejects) {
     uint64_t v = 777;
     bool ok = tf_rdma::ParseUint(text, &v);
     if (!EXPECT_FALSE(ok)) std::printf("      input: %s\n", ut::Escape(text).c_str());
-    // Not written on failure: DecodeDescriptor (engine.cc) relies on an
+    // Not written on failure: DecodeDescriptor (regions.cc) relies on an
     // absent field leaving the default.
     EXPECT_EQ(v, uint64_t{777});
   }
@@ -1414,8 +1414,8 @@ TEST(slot_layout_within_bounds_when_valid) {
   // Credit and sequence arithmetic reachable without an engine: for every
   // slot Validate accepts, each copy's sequence word, call word and payload
   // and each credit word (engine.h's layout, CopyOffset / CreditLineOffset
-  // above) pass the receiving side's bounds check. engine.cc's own helpers
-  // are private; this pins the layout they must follow.
+  // above) pass the receiving side's bounds check. The engine's own helpers
+  // are internal; this pins the layout they must follow.
   std::vector<tf_rdma::SlotSpec> specs;
   for (int64_t depth : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{64}}) {
     for (uint64_t nbytes : {uint64_t{0}, uint64_t{1}, uint64_t{960},
