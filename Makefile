@@ -108,7 +108,7 @@ bench: bench-deps
 	$(VPY) bench/train.py --json bench/results/train.json
 
 clean:
-	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_build_info.json $(BUILD_STAMP)
+	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_tf_rdma_native.so tf_rdma/_build_info.json $(BUILD_STAMP)
 
 # Fuzzing (tests/fuzz/wire_fuzz.cc says what and why). With clang, a
 # libFuzzer target with ASan+UBSan runs for FUZZ_SECONDS over a corpus that

@@ -74,22 +74,26 @@ def endpoint_running():
 def endpoint_info():
     """Returns the running endpoint's state as a dict ("pair" lists connections).
 
-    Keys: task, listen_port, transport, refused_connections (connections
-    closed before or during their handshake: over a limit, denied),
-    verbs (the RDMA device, or "unusable: <why>"), pair (list of "a -> b transport"), region (list of
-    "name segment bytes").
+    Keys: task, listen_port (int), transport (the setting),
+    refused_connections (int: connections closed before or during their
+    handshake, over a limit or denied), verbs (the RDMA device, or
+    "unusable: <why>"), pairs (a dict ``{writer, reader, transport}`` per
+    connection), regions (a dict ``{id, name, segment, bytes}`` per region;
+    ``id`` is what a peer's frames name it by), and the same as lines: pair
+    (``"writer -> reader transport"``) and region (``"name segment bytes"``).
     """
     c = _loader.load().c
     size = c.tfrdma_info(None, 0)
-    buf = ctypes.create_string_buffer(size + 1024)
-    c.tfrdma_info(buf, len(buf))
-    info = {"pair": [], "region": []}
-    for line in buf.value.decode().splitlines():
-        key, _, value = line.partition("=")
-        if key in ("pair", "region"):
-            info[key].append(value)
-        else:
-            info[key] = value
+    while True:
+        buf = ctypes.create_string_buffer(size + 1024)
+        size = c.tfrdma_info(buf, len(buf))
+        if size <= len(buf):  # else it grew meanwhile: ask again
+            break
+    info = json.loads(buf.value.decode("utf-8", errors="replace"))
+    info["pair"] = [f"{p['writer']} -> {p['reader']} {p['transport']}"
+                    for p in info["pairs"]]
+    info["region"] = [f"{r['name']} {r['segment']} {r['bytes']}"
+                      for r in info["regions"]]
     return info
 
 

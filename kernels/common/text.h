@@ -1,5 +1,5 @@
 // Small text helpers shared by the engine and the transports: splitting and
-// joining lists, and making a peer's bytes safe to log.
+// joining lists, making a peer's bytes safe to log, and JSON strings.
 #ifndef TF_RDMA_COMMON_TEXT_H_
 #define TF_RDMA_COMMON_TEXT_H_
 
@@ -18,6 +18,11 @@ std::string Join(const std::vector<std::string>& parts, const char* sep);
 // Peer-supplied text made safe for one log line: control and non-ASCII
 // bytes as \xNN, cut at `max` characters with the original length noted.
 std::string Printable(const std::string& text, size_t max = 80);
+
+// `text` as a JSON string, quotes included: '"', '\\' and control bytes
+// escaped, other bytes as they are (a reader decodes them as UTF-8, with
+// replacement: the engine's own text is ASCII, a peer's may be anything).
+std::string JsonString(const std::string& text);
 
 }  // namespace tf_rdma
 

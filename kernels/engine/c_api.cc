@@ -36,7 +36,8 @@ void tfrdma_stop() { tf_rdma::Engine::Get()->Stop(); }
 
 int tfrdma_started() { return tf_rdma::Engine::Get()->started() ? 1 : 0; }
 
-// Copies Info() into out; returns the length it needs (call again if larger).
+// Copies Info() (JSON, Engine::Info) into out; returns the length it needs
+// (call again if larger).
 int tfrdma_info(char* out, int outlen) {
   std::string info = tf_rdma::Engine::Get()->Info();
   if (out != nullptr && outlen > 0) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/common/text.h"
+#include "kernels/common/transport_choice.h"
 #include "kernels/common/wire.h"
 #include "kernels/engine/engine_internal.h"
 
@@ -105,19 +106,8 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
     } else if (key == "secret") {
       c.secret = value;
     } else if (key == "transport") {
-      std::vector<std::string> names = Split(value, ',');
-      std::set<std::string> seen;
-      bool ok = !names.empty();
-      for (const std::string& t : names) {
-        ok = ok && (t == "verbs" || t == "shm" || t == "tcp") &&
-             seen.insert(t).second;
-      }
-      ok = ok || value == "auto";
-      if (!ok) {
-        return InvalidArgument("transport '" + value +
-                               "' is not auto or a list of verbs, shm, tcp "
-                               "without repeats");
-      }
+      std::vector<std::string> names;
+      TF_RDMA_RETURN_IF_ERROR(ParseTransportSetting(value, &names));
       c.transport = value;
     } else if (key.rfind("verbs_", 0) == 0) {
       TF_RDMA_RETURN_IF_ERROR(ParseVerbsSetting(key, value, &c.verbs));

@@ -24,67 +24,16 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/text.h"
+#include "kernels/common/transport_choice.h"
 #include "kernels/engine/engine_internal.h"
 #include "kernels/transport/factory.h"
 
 namespace tf_rdma {
 
-namespace {
-
-std::string ReadFirstLine(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-// The numeric addresses of this network namespace's interfaces.
-std::set<std::string> LocalAddresses() {
-  std::set<std::string> mine;
-  struct ifaddrs* ifs = nullptr;
-  if (getifaddrs(&ifs) == 0) {
-    for (auto* i = ifs; i != nullptr; i = i->ifa_next) {
-      if (i->ifa_addr == nullptr) continue;
-      char text[NI_MAXHOST];
-      socklen_t len = i->ifa_addr->sa_family == AF_INET
-                          ? sizeof(sockaddr_in)
-                          : sizeof(sockaddr_in6);
-      if (getnameinfo(i->ifa_addr, len, text, sizeof(text), nullptr, 0,
-                      NI_NUMERICHOST) == 0) {
-        mine.insert(text);
-      }
-    }
-    freeifaddrs(ifs);
-  }
-  return mine;
-}
-
-// True when `host` names this machine in this network namespace: loopback,
-// or one of `mine` (LocalAddresses).
-bool IsLocalHost(const std::string& host, const std::set<std::string>& mine) {
-  struct addrinfo hints, *res = nullptr;
-  std::memset(&hints, 0, sizeof(hints));
-  hints.ai_family = AF_UNSPEC;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
-  bool local = false;
-  for (auto* a = res; a != nullptr && !local; a = a->ai_next) {
-    char text[NI_MAXHOST];
-    if (getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof(text), nullptr, 0,
-                    NI_NUMERICHOST) != 0) {
-      continue;
-    }
-    std::string t = text;
-    local = mine.count(t) || t.rfind("127.", 0) == 0 || t == "::1";
-  }
-  freeaddrinfo(res);
-  return local;
-}
-
-}  // namespace
-
 std::vector<std::string> TransportPreference(const std::string& setting) {
-  if (setting == "auto") return {"verbs", "shm", "tcp"};
-  return Split(setting, ',');
+  std::vector<std::string> out;
+  if (!ParseTransportSetting(setting, &out).ok()) out.clear();
+  return out;
 }
 
 bool Contains(const std::vector<std::string>& list, const std::string& item) {
@@ -205,37 +154,35 @@ Status Engine::StartTransports(const EngineConfig& config,
 }
 
 void Engine::LogExpectedTransports() {
-  std::vector<std::string> allowed = AllowedTransports();
-  std::set<std::string> mine = LocalAddresses();
+  // A prediction from the peers' addresses (transport_choice.h): this end
+  // is on this machine by definition, and no peer's identity is known yet.
+  PairEnd me = ThisEnd();
+  me.identified = false;
+  std::set<std::string> local = LocalAddresses();
   for (const auto& kv : config_.peers) {
-    std::string host;
+    PairEnd peer;
+    peer.task = kv.first;
     int port = 0;
-    bool local = SplitHostPort(kv.second, &host, &port).ok() &&
-                 IsLocalHost(host, mine);
-    std::string expected, fallback;
-    for (const std::string& t : allowed) {
-      if (t == "shm" && !local) continue;
-      if (expected.empty()) {
-        expected = t;
-      } else if (fallback.empty()) {
-        fallback = t;
-      }
-    }
+    peer.host_kind = SplitHostPort(kv.second, &peer.host, &port).ok()
+                         ? ClassifyHost(peer.host, local)
+                         : HostKind::kRemote;
+    TransportChoice expected = ChooseTransport(me, peer);
+    const std::string& t = expected.transport;
     std::string line = "pair " + config_.task + " <-> " + kv.first + " (" +
                        kv.second + "): ";
-    if (expected.empty()) {
-      line += "no transport (only shm is allowed and the peer is on another "
-              "host)";
-    } else if (!transports_.at(expected)->Describe().empty()) {
+    if (t.empty()) {
+      line += "no transport: " + expected.reason;
+    } else if (!transports_.at(t)->Describe().empty()) {
       // A device (verbs): the peer may not have one.
-      line += expected + " (" + transports_.at(expected)->Describe() + ")" +
-              (fallback.empty() ? "" : ", or " + fallback +
-                                           " if the peer cannot use " +
-                                           expected);
+      line += t + " (" + transports_.at(t)->Describe() + ")" +
+              (expected.fallback.empty()
+                   ? ""
+                   : ", or " + expected.fallback +
+                         " if the peer cannot use " + t);
     } else {
-      line += expected + (expected == "shm" ? " (same host)"
-                          : local         ? ""
-                                          : " (another host)");
+      line += t + (t == "shm"               ? " (same host)"
+                   : expected.same_host ? ""
+                                        : " (another host)");
     }
     Log(line);
   }
@@ -270,40 +217,62 @@ void Engine::Stop() {
 
 std::string Engine::Info() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string out = "task=" + config_.task + "\n";
-  out += "listen_port=" + std::to_string(listen_port_) + "\n";
-  out += "transport=" + config_.transport + "\n";
+  std::string out = "{\"task\": " + JsonString(config_.task);
+  out += ", \"listen_port\": " + std::to_string(listen_port_);
+  out += ", \"transport\": " + JsonString(config_.transport);
   // Connections closed before or during their handshake (limits, denials).
-  out += "refused_connections=" + std::to_string(refused_connections_.load()) +
-         "\n";
+  out += ", \"refused_connections\": " +
+         std::to_string(refused_connections_.load());
   auto verbs = transports_.find("verbs");
-  out += "verbs=" + (verbs != transports_.end()
-                         ? verbs->second->Describe()
-                         : "unusable: " + unusable_["verbs"]) + "\n";
+  out += ", \"verbs\": " +
+         JsonString(verbs != transports_.end()
+                        ? verbs->second->Describe()
+                        : "unusable: " + unusable_["verbs"]);
+  out += ", \"pairs\": [";
+  bool first = true;
   for (const auto& conn : connections_) {
     const Connection& c = *conn;
     if (c.gone.load()) continue;
-    out += "pair=" + (c.dialed ? config_.task + " -> " + c.peer
-                               : c.peer + " -> " + config_.task) +
-           " " + c.pair->transport() + "\n";
+    out += std::string(first ? "" : ", ") + "{\"writer\": " +
+           JsonString(c.dialed ? config_.task : c.peer) + ", \"reader\": " +
+           JsonString(c.dialed ? c.peer : config_.task) +
+           ", \"transport\": " + JsonString(c.pair->transport()) + "}";
+    first = false;
   }
-  for (auto& r : regions_) {
-    out += "region=" + r->name + " " + r->memory->shm_name() + " " +
-           std::to_string(r->memory->size()) + "\n";
+  out += "], \"regions\": [";
+  for (size_t id = 0; id < regions_.size(); ++id) {
+    const LocalRegion& r = *regions_[id];
+    out += std::string(id ? ", " : "") + "{\"id\": " + std::to_string(id) +
+           ", \"name\": " + JsonString(r.name) + ", \"segment\": " +
+           JsonString(r.memory->shm_name()) + ", \"bytes\": " +
+           std::to_string(r.memory->size()) + "}";
   }
-  return out;
+  return out + "]}";
 }
 
 std::string Engine::HostId() const {
   // Same boot of the same kernel and the same network namespace: peers that
-  // share both can map each other's /dev/shm segments. (Network namespaces
-  // count as separate hosts so that veth "hosts" on one machine use tcp.)
-  std::string boot = ReadFirstLine("/proc/sys/kernel/random/boot_id");
-  char netns[128] = {0};
-  ssize_t n = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
-  if (n < 0) n = 0;
-  netns[n] = 0;
-  return boot + "/" + std::string(netns);
+  // share both can map each other's /dev/shm segments (transport_choice.h).
+  std::string boot, netns;
+  ThisHost(&boot, &netns);
+  return boot + "/" + netns;
+}
+
+PairEnd Engine::ThisEnd() const {
+  PairEnd me;
+  me.task = config_.task;
+  me.allowed = TransportPreference(config_.transport);
+  auto verbs = transports_.find("verbs");
+  me.verbs = verbs != transports_.end() ? Verbs::kUsable : Verbs::kUnusable;
+  if (verbs != transports_.end()) {
+    me.verbs_detail = verbs->second->Describe();
+  } else if (unusable_.count("verbs")) {
+    me.verbs_detail = unusable_.at("verbs");
+  }
+  me.identified = true;
+  ThisHost(&me.boot_id, &me.netns);
+  me.host_kind = HostKind::kLocal;
+  return me;
 }
 
 std::vector<std::string> Engine::AllowedTransports() const {

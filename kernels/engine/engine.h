@@ -46,6 +46,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/status.h"
+#include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
 #include "kernels/engine/thread_pool.h"
@@ -187,7 +188,10 @@ class Engine {
   bool started() const { return started_.load(); }
   const EngineConfig& config() const { return config_; }
   int listen_port() const { return listen_port_; }
-  // "key=value" lines: task, listen port, one "pair=" line per connection.
+  // A JSON object: task, listen_port, transport (the setting),
+  // refused_connections, verbs (the device, or "unusable: <why>"), pairs
+  // ({writer, reader, transport} per live connection) and regions ({id,
+  // name, segment, bytes}, id = the region's index).
   std::string Info();
 
   // Send: ClaimSend in op order, then FinishSend (may block, bounded). A
@@ -346,6 +350,9 @@ class Engine {
                         const std::string& what);
   int64_t TimeoutFor(const SlotSpec& spec) const;
   std::string HostId() const;
+  // This end of a pair, for ChooseTransport: its setting, verbs device and
+  // host identity.
+  PairEnd ThisEnd() const;
   std::vector<std::string> AllowedTransports() const;
   // Opens the backends the transport setting allows (transport/factory.h).
   // One that cannot be used here (verbs without a device) is an error only

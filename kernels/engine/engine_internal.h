@@ -219,8 +219,9 @@ std::string RandomHex(size_t nbytes);
 
 // The transport setting (engine.cc).
 
-// The transports a setting allows, in order of preference ("auto": verbs,
-// shm, tcp).
+// The transports a setting allows, in order of preference
+// (ParseTransportSetting; EngineConfig::Parse checked the setting, so an
+// unchecked bad one allows none).
 std::vector<std::string> TransportPreference(const std::string& setting);
 bool Contains(const std::vector<std::string>& list, const std::string& item);
 

@@ -49,6 +49,7 @@
 
 #include "kernels/common/sha256.h"
 #include "kernels/common/text.h"
+#include "kernels/common/transport_choice.h"
 #include "kernels/common/wire.h"
 #include "kernels/engine/engine_internal.h"
 
@@ -294,20 +295,22 @@ void Engine::Handshake(int fd) {
              config_.task + " (check the endpoint addresses)");
     return;
   }
-  std::vector<std::string> theirs = Split(f[4], ',');
-  std::string chosen;
-  for (const std::string& t : AllowedTransports()) {
-    if (std::find(theirs.begin(), theirs.end(), t) == theirs.end()) continue;
-    if (t == "shm" && host != HostId()) continue;
-    chosen = t;
-    break;
-  }
+  // The writer offers the transports it can use; its host id is
+  // "<boot id>/<network namespace>" (HostId).
+  PairEnd writer_end;
+  writer_end.task = writer;
+  writer_end.allowed = Split(f[4], ',');
+  writer_end.verbs = Contains(writer_end.allowed, "verbs") ? Verbs::kUsable
+                                                           : Verbs::kUnusable;
+  writer_end.identified = true;
+  size_t slash = host.find('/');
+  writer_end.boot_id = host.substr(0, slash);
+  writer_end.netns =
+      slash == std::string::npos ? "" : host.substr(slash + 1);
+  TransportChoice choice = ChooseTransport(ThisEnd(), writer_end);
+  const std::string& chosen = choice.transport;
   if (chosen.empty()) {
-    std::string why = "no common transport: " + writer + " allows " +
-                      Printable(f[4]) + ", " + config_.task + " allows " +
-                      Join(AllowedTransports(), ",") +
-                      (host != HostId() ? " (different hosts)" : "");
-    deny(why, why);
+    deny(choice.reason, choice.reason);
     return;
   }
   std::string welcome =
