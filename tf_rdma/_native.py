@@ -1,11 +1,13 @@
 """The engine's rules for tools that run without TensorFlow.
 
 `tf-rdma doctor`, the launcher and ``explain()`` must not load TensorFlow,
-but a rule they apply is the engine's, written once in C++ (kernels/common):
-which transport a pair of tasks uses (transport_choice.h). setup.py builds
-kernels/common a second time, without TensorFlow, into
-``_tf_rdma_native.so`` next to this module; this module loads it with ctypes
-on first use and wraps its C interface (kernels/common/native_c_api.cc).
+but two of the rules they apply are the engine's, written once in C++
+(kernels/common): which transport a pair of tasks uses
+(transport_choice.h), and which shared-memory segments dead processes left
+behind (region.h). setup.py builds kernels/common a second time, without
+TensorFlow, into ``_tf_rdma_native.so`` next to this module; this module
+loads it with ctypes on first use and wraps its C interface
+(kernels/common/native_c_api.cc).
 """
 
 import ctypes
@@ -60,6 +62,8 @@ def _load():
         lib.tfrdma_choose_transport.argtypes = [ctypes.POINTER(_PairEnd),
                                                 ctypes.POINTER(_PairEnd)]
         lib.tfrdma_choose_transport.restype = ctypes.c_void_p
+        lib.tfrdma_remove_stale_segments.argtypes = [ctypes.c_char_p]
+        lib.tfrdma_remove_stale_segments.restype = ctypes.c_void_p
         lib.tfrdma_free.argtypes = [ctypes.c_void_p]
         lib.tfrdma_free.restype = None
         _library = lib
@@ -146,3 +150,32 @@ def choose_transport(chooser, peer):
     if "error" in answer:
         raise ConfigError(answer["error"])
     return answer
+
+
+def remove_stale_segments(owner_pids=None):
+    """Removes the shared memory that dead tf_rdma processes left behind.
+
+    A process killed with SIGKILL cannot remove its segments from /dev/shm.
+    A segment is removed only when no process holds its lock (its owner holds
+    one while it lives: region.h), it is a regular file, and it is still
+    linked; the same collection runs in every endpoint when it starts.
+
+    Args:
+        owner_pids: Only the segments of these pids (``tfrdma.<pid>.<n>``);
+            None: of every owner. An empty list removes nothing.
+
+    Returns:
+        A dict: ``removed`` (the names removed from /dev/shm), ``bytes``
+        (their total size) and ``errors`` (``"<name>: <why>"`` for segments
+        that could not be looked at, e.g. without permission).
+
+    Raises:
+        LibraryError: The native library is missing or does not load.
+    """
+    if owner_pids is not None:
+        owner_pids = [int(pid) for pid in owner_pids]
+        if not owner_pids:
+            return {"removed": [], "bytes": 0, "errors": []}
+    lib = _load()
+    pids = None if owner_pids is None else ",".join(map(str, owner_pids)).encode()
+    return _answer(lib, lib.tfrdma_remove_stale_segments(pids))

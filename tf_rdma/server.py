@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from tf_rdma import _loader, cluster as cluster_lib, settings
+from tf_rdma import _loader, _native, cluster as cluster_lib, settings
 from tf_rdma.errors import ConfigError, EndpointError
 
 __all__ = ["Endpoint", "Server", "start_endpoint", "endpoint_info"]
@@ -102,7 +102,8 @@ def remove_stale_segments():
 
     A process killed with SIGKILL cannot remove its segments from
     /dev/shm. Every endpoint does this when it starts; this is the same
-    collection on demand (for launchers and test harnesses). Only segments
+    collection on demand (for launchers and test harnesses), without loading
+    TensorFlow (:func:`tf_rdma._native.remove_stale_segments`). Only segments
     whose owner process is gone are removed: the owner holds a lock on each
     of its segments while it runs.
 
@@ -110,12 +111,10 @@ def remove_stale_segments():
         ``(count, bytes)`` of the segments removed.
 
     Raises:
-        LibraryError: The op library cannot be loaded.
+        LibraryError: The native library cannot be loaded.
     """
-    nbytes = ctypes.c_ulonglong(0)
-    count = _loader.load().c.tfrdma_remove_stale_segments(
-        ctypes.byref(nbytes))
-    return count, nbytes.value
+    collected = _native.remove_stale_segments()
+    return len(collected["removed"]), collected["bytes"]
 
 
 def verbs_status(env=None, host=None):

@@ -5,13 +5,14 @@
 // explain() load; the op library contains these functions too.
 //
 // Answers are JSON, in a buffer this library allocates: the caller copies it
-// and hands it back to tfrdma_free (a caller-sized buffer would have to be
-// asked for twice).
+// and hands it back to tfrdma_free. (A caller-sized buffer would have to be
+// asked for twice, and a collection of segments cannot be run twice.)
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "kernels/common/region.h"
 #include "kernels/common/text.h"
 #include "kernels/common/transport_choice.h"
 
@@ -21,6 +22,14 @@ char* Answer(const std::string& json) {
   char* out = static_cast<char*>(std::malloc(json.size() + 1));
   if (out != nullptr) std::memcpy(out, json.c_str(), json.size() + 1);
   return out;
+}
+
+std::string JsonList(const std::vector<std::string>& items) {
+  std::string out = "[";
+  for (size_t i = 0; i < items.size(); ++i) {
+    out += (i ? ", " : "") + tf_rdma::JsonString(items[i]);
+  }
+  return out + "]";
 }
 
 std::string JsonOrNull(const std::string& text) {
@@ -97,6 +106,20 @@ char* tfrdma_choose_transport(const tfrdma_pair_end* chooser,
                 ", \"same_host\": " + (c.same_host ? "true" : "false") +
                 ", \"host_reason\": " + tf_rdma::JsonString(c.host_reason) +
                 ", \"reason\": " + tf_rdma::JsonString(c.reason) + "}");
+}
+
+// CollectStaleSegments (region.h) as JSON: {"removed": [names], "bytes",
+// "errors": ["<name>: <why>"]}. `owner_pids`: comma-separated pids whose
+// segments only are collected; NULL or "": every owner's.
+char* tfrdma_remove_stale_segments(const char* owner_pids) {
+  std::vector<int64_t> pids;
+  for (const std::string& pid : tf_rdma::Split(Text(owner_pids), ',')) {
+    pids.push_back(std::strtoll(pid.c_str(), nullptr, 10));
+  }
+  tf_rdma::StaleSegments stale = tf_rdma::CollectStaleSegments(pids);
+  return Answer("{\"removed\": " + JsonList(stale.removed) +
+                ", \"bytes\": " + std::to_string(stale.bytes) +
+                ", \"errors\": " + JsonList(stale.errors) + "}");
 }
 
 // Frees an answer of the functions above.

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/common/status.h"
 
@@ -83,9 +84,26 @@ class Region {
   bool unlinked_ = false;
 };
 
+// What a collection of stale segments did.
+struct StaleSegments {
+  std::vector<std::string> removed;  // their names in /dev/shm
+  uint64_t bytes = 0;                // their total size
+  // "<name>: <why>" for the segments that could not be looked at (no
+  // permission, ...). A name that is not a regular file (a directory, a
+  // link, a FIFO) is no segment: skipped, not an error.
+  std::vector<std::string> errors;
+};
+
 // Removes the tfrdma segments in /dev/shm whose owner process is gone (no
-// one holds their lock); returns how many, and their total bytes in
-// `bytes` (may be null). Segments of live processes are never touched.
+// one holds their lock): every such segment, or with `owner_pids` only those
+// named for one of these pids (a launcher cleaning up after its own
+// processes). Segments of live processes are never touched. The one
+// collector: the engine runs it when it starts and when a peer on this host
+// dies, the launcher (through tf_rdma/_native.py) when its processes exit.
+StaleSegments CollectStaleSegments(const std::vector<int64_t>& owner_pids = {});
+
+// CollectStaleSegments() for all owners: how many it removed, and their
+// total bytes in `bytes` (may be null).
 int RemoveStaleSegments(uint64_t* bytes);
 
 }  // namespace tf_rdma

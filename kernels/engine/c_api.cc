@@ -47,15 +47,6 @@ int tfrdma_info(char* out, int outlen) {
   return static_cast<int>(info.size()) + 1;
 }
 
-// Removes the tfrdma segments in /dev/shm whose owner process is gone
-// (region.h); returns how many, with their total size in *bytes.
-int tfrdma_remove_stale_segments(unsigned long long* bytes) {
-  uint64_t total = 0;
-  int removed = tf_rdma::RemoveStaleSegments(&total);
-  if (bytes != nullptr) *bytes = total;
-  return removed;
-}
-
 // Whether the verbs transport is usable in this process, as the engine would
 // decide at start: opens (and closes) the RDMA device with the verbs_* lines
 // of `config` (EngineConfig keys; a listen= line gives the host whose
