@@ -3,9 +3,6 @@
 
 #include "kernels/engine/engine.h"
 
-#include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
@@ -15,7 +12,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <mutex>
 #include <set>
 #include <string>
