@@ -108,7 +108,7 @@ bench: bench-deps
 	$(VPY) bench/train.py --json bench/results/train.json
 
 clean:
-	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_build_info.json $(BUILD_STAMP)
+	rm -rf build *.egg-info tf_rdma/_tf_rdma_ops.so tf_rdma/_tf_rdma_verbs.so tf_rdma/_tf_rdma_native.so tf_rdma/_build_info.json $(BUILD_STAMP)
 
 # Fuzzing (tests/fuzz/wire_fuzz.cc says what and why). With clang, a
 # libFuzzer target with ASan+UBSan runs for FUZZ_SECONDS over a corpus that
@@ -119,9 +119,13 @@ clean:
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS ?= 300000
 FUZZ_INSTALL ?= 1
-FUZZ_ENGINE := kernels/engine/engine.cc kernels/engine/wire.cc kernels/engine/region.cc \
-  kernels/engine/wait.cc kernels/engine/sha256.cc kernels/transport/plugin.cc \
-  kernels/transport/shm/pair.cc kernels/transport/tcp/pair.cc
+# The engine without the ops, the collectives and the C interface: every
+# source of kernels/common and kernels/engine but those two, and the
+# transports' core side (the verbs plugin itself needs libibverbs).
+FUZZ_ENGINE := $(wildcard kernels/common/*.cc) \
+  $(filter-out kernels/engine/c_api.cc kernels/engine/collective.cc,$(wildcard kernels/engine/*.cc)) \
+  $(wildcard kernels/transport/*.cc kernels/transport/shm/*.cc kernels/transport/tcp/*.cc) \
+  kernels/transport/verbs/factory.cc
 FUZZ_FLAGS := -std=c++17 -O1 -g -I. -fno-omit-frame-pointer -fno-sanitize-recover=all
 CLANG_TRIED := build/.clang-tried
 
@@ -151,16 +155,16 @@ fuzz:
 # C++ unit tests of the engine pieces that need no TensorFlow (issue 14):
 # tests/cpp/engine_unittest.cc, built with g++ from the fuzz target's engine
 # sources (FUZZ_ENGINE) and run. Rebuilt only when a source under
-# kernels/engine, kernels/transport or tests/cpp (or this Makefile) is newer
-# than the binary. CPP_TEST_ARGS: test-name substrings, --list, --known-bugs.
-# tests/test_cpp_units.py runs it in `make test` and `make test-fast`.
+# kernels/common, kernels/engine, kernels/transport or tests/cpp (or this
+# Makefile) is newer than the binary. CPP_TEST_ARGS: test-name substrings,
+# --list, --known-bugs. tests/test_cpp_units.py runs it in `make test` and `make test-fast`.
 .PHONY: cpp-test
 CPP_TEST_BIN := build/cpp/engine_unittest
 CPP_TEST_ARGS ?=
 
 cpp-test:
 	@mkdir -p build/cpp
-	@if [ ! -x $(CPP_TEST_BIN) ] || [ -n "$$(find Makefile kernels/engine kernels/transport tests/cpp \( -name '*.cc' -o -name '*.h' -o -name Makefile \) -newer $(CPP_TEST_BIN) -print -quit)" ]; then \
+	@if [ ! -x $(CPP_TEST_BIN) ] || [ -n "$$(find Makefile kernels/common kernels/engine kernels/transport tests/cpp \( -name '*.cc' -o -name '*.h' -o -name Makefile \) -newer $(CPP_TEST_BIN) -print -quit)" ]; then \
 	  echo "cpp-test: building $(CPP_TEST_BIN)"; \
 	  tmp=$(CPP_TEST_BIN).tmp.$$$$; \
 	  g++ -std=c++17 -O1 -g -I. tests/cpp/engine_unittest.cc $(FUZZ_ENGINE) -o $$tmp -ldl -lpthread -lrt \

@@ -1,9 +1,9 @@
 """Builds and installs tf_rdma.
 
-The op library (kernels/ops, kernels/engine, kernels/transport/{shm,tcp}) is
-compiled into one shared object, tf_rdma/_tf_rdma_ops.so, with the compile and
-link flags of the TensorFlow that is installed where this package is being
-installed (tf.sysconfig). The TensorFlow version it was built against is
+The op library (kernels/ops, kernels/engine, kernels/transport/{shm,tcp},
+kernels/common) is compiled into one shared object, tf_rdma/_tf_rdma_ops.so,
+with the compile and link flags of the TensorFlow that is installed where this
+package is being installed (tf.sysconfig). The TensorFlow version it was built against is
 recorded in tf_rdma/_build_info.json, so that `import tf_rdma` can tell a
 mismatch apart from a missing library.
 
@@ -12,6 +12,12 @@ tf_rdma/_tf_rdma_verbs.so, linked to libibverbs only. It is built when the
 compiler finds <infiniband/verbs.h> (Debian/Ubuntu: libibverbs-dev) and
 skipped with a message otherwise; the core never links libibverbs and loads
 the plugin with dlopen only when the verbs transport is allowed.
+
+kernels/common is also built alone, without TensorFlow's headers, flags or
+libraries, into tf_rdma/_tf_rdma_native.so: the rules that `tf-rdma doctor`,
+the launcher and explain() share with the engine (which transport a pair
+uses, the collection of stale shared-memory segments), loaded with ctypes by
+tf_rdma/_native.py in processes that never load TensorFlow.
 
 pip builds in an isolated environment by default, where the installed
 TensorFlow is not importable. The flags are therefore read by running this
@@ -36,12 +42,21 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = "tf_rdma._tf_rdma_ops"
 LIBRARY_FILE = "_tf_rdma_ops.so"
-CORE_SOURCE_DIRS = ["kernels/engine", "kernels/ops", "kernels/transport",
-                    "kernels/transport/shm", "kernels/transport/tcp"]
+CORE_SOURCE_DIRS = ["kernels/common", "kernels/engine", "kernels/ops",
+                    "kernels/transport", "kernels/transport/shm",
+                    "kernels/transport/tcp"]
 # The verbs backend is a separate plugin, linked to libibverbs and dlopened by
 # the core only when verbs is allowed; built only where the headers exist.
+# Its factory.cc is the core's side of it (it dlopens the plugin): compiled
+# into the core library, always, and not into the plugin.
 VERBS_FILE = "_tf_rdma_verbs.so"
 VERBS_SOURCE_DIR = "kernels/transport/verbs"
+VERBS_CORE_SOURCE = "kernels/transport/verbs/factory.cc"
+# kernels/common without TensorFlow, for the tools that run without it.
+NATIVE_FILE = "_tf_rdma_native.so"
+NATIVE_SOURCE_DIR = "kernels/common"
+NATIVE_CFLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wno-sign-compare",
+                 "-DNDEBUG"]
 VERBS_HEADER = "infiniband/verbs.h"
 
 _QUERY = """
@@ -68,7 +83,13 @@ def tensorflow_build_flags():
 
 
 def core_sources():
-    return [src for d in CORE_SOURCE_DIRS for src in sources_in(d)]
+    return ([src for d in CORE_SOURCE_DIRS for src in sources_in(d)]
+            + [VERBS_CORE_SOURCE])
+
+
+def verbs_plugin_sources():
+    return [src for src in sources_in(VERBS_SOURCE_DIR)
+            if src != VERBS_CORE_SOURCE]
 
 
 def sources_in(directory):
@@ -108,16 +129,19 @@ class BuildOpLibrary(build_ext):
                   "-DNDEBUG"] + tf_info["cflags"]
         obj_dir = os.path.join(ROOT, "build", "obj",
                                "tf-" + tf_info["version"])
+        native_obj_dir = os.path.join(ROOT, "build", "obj", "native")
         os.makedirs(obj_dir, exist_ok=True)
+        os.makedirs(native_obj_dir, exist_ok=True)
+        native_cflags = NATIVE_CFLAGS + ["-I" + ROOT]
         headers_mtime = newest_header_mtime()
 
-        def compile_one(src):
-            obj = os.path.join(obj_dir, src.replace("/", "_") + ".o")
+        def compile_one(src, flags=cflags, objects=obj_dir):
+            obj = os.path.join(objects, src.replace("/", "_") + ".o")
             src_path = os.path.join(ROOT, src)
             if (os.path.exists(obj) and os.path.getmtime(obj) >= max(
                     os.path.getmtime(src_path), headers_mtime)):
                 return obj
-            cmd = [cxx] + cflags + ["-c", src_path, "-o", obj + ".tmp"]
+            cmd = [cxx] + flags + ["-c", src_path, "-o", obj + ".tmp"]
             print("tf_rdma: compiling", src, flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -130,7 +154,7 @@ class BuildOpLibrary(build_ext):
 
         verbs_sources = []
         if verbs_headers_present(cxx):
-            verbs_sources = sources_in(VERBS_SOURCE_DIR)
+            verbs_sources = verbs_plugin_sources()
         else:
             print("tf_rdma: %s not found (install libibverbs-dev): building "
                   "without the verbs transport" % VERBS_HEADER, flush=True)
@@ -138,8 +162,12 @@ class BuildOpLibrary(build_ext):
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             core = [pool.submit(compile_one, src) for src in ext.sources]
             verbs = [pool.submit(compile_one, src) for src in verbs_sources]
+            native = [pool.submit(compile_one, src, native_cflags,
+                                  native_obj_dir)
+                      for src in sources_in(NATIVE_SOURCE_DIR)]
             try:
                 core_objects = [f.result() for f in core]
+                native_objects = [f.result() for f in native]
             except RuntimeError as e:
                 raise SystemExit("tf_rdma: " + str(e))
             try:
@@ -164,6 +192,9 @@ class BuildOpLibrary(build_ext):
             os.replace(path + ".tmp", path)
 
         link(out, core_objects, tf_info["lflags"] + ["-lrt", "-lpthread", "-ldl"])
+        # No TensorFlow, and nothing left undefined: it loads anywhere.
+        link(os.path.join(os.path.dirname(out), NATIVE_FILE), native_objects,
+             ["-lrt", "-lpthread", "-Wl,--no-undefined"])
         verbs_out = os.path.join(os.path.dirname(out), VERBS_FILE)
         if verbs_objects:
             # Only libibverbs: the plugin uses nothing of TensorFlow's, and
@@ -187,7 +218,8 @@ class BuildOpLibrary(build_ext):
     def copy_extensions_to_source(self):
         # In-place and editable builds put the library into the source tree,
         # with its build record. Copy-then-rename, never overwrite in place.
-        for name in (LIBRARY_FILE, VERBS_FILE, "_build_info.json"):
+        for name in (LIBRARY_FILE, VERBS_FILE, NATIVE_FILE,
+                     "_build_info.json"):
             src = os.path.join(self.build_lib, "tf_rdma", name)
             dst = os.path.join(ROOT, "tf_rdma", name)
             if name == VERBS_FILE and not os.path.exists(src):
@@ -216,7 +248,7 @@ setup(
     packages=find_packages(include=["tf_rdma", "tf_rdma.*"]) + ["tf_rdma.graph_passes"],
     package_dir={"tf_rdma.graph_passes": "graph_passes"},
     package_data={"tf_rdma": ["_tf_rdma_ops.so", "_tf_rdma_verbs.so",
-                              "_build_info.json",
+                              "_tf_rdma_native.so", "_build_info.json",
                               "doctor_schema.json"]},
     ext_modules=[Extension(LIBRARY, sources=core_sources())],
     cmdclass={"build_ext": BuildOpLibrary},

@@ -3,7 +3,7 @@
 A client calls a ``@tf_rdma.rewrite`` function from several threads at once
 (more threads than the plan's depth), as asynchronous parameter-server
 training does. Each call's tensors carry the call's step id and only that
-call's recv takes them (kernels/engine/engine.cc, "Matching calls"). The
+call's recv takes them (kernels/engine/match.cc). The
 oracle is the plain ``tf.function``: every call's result must equal, bit for
 bit, what the plain function returns for the same argument.
 """

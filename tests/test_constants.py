@@ -1,7 +1,7 @@
 """Constants that exist in C++ and in Python agree.
 
 The plan (graph_passes/plan.py) lays out regions that the engine
-(kernels/engine/engine.h, region.h) reads, and the ops' dtype attributes
+(kernels/engine/engine.h, kernels/common/region.h) reads, and the ops' dtype attributes
 (kernels/ops/*.cc) must accept what the plan and the collectives accept.
 Where two copies must exist, one per language, this reads the C++ source and
 compares: a change to one side that misses the other fails here, not as a
@@ -54,7 +54,7 @@ def cc_dtype_list(path, macro):
     (plan.CREDIT_LINE_BYTES, "kernels/engine/engine.h", "kCreditLineBytes"),
     (plan.MAX_DEPTH, "kernels/engine/engine.h", "kMaxSlotDepth"),
     (plan.DYNAMIC_META_BYTES, "kernels/engine/engine.h", "kDynamicMetaBytes"),
-    (plan.PAGE_BYTES, "kernels/engine/region.h", "kPageBytes"),
+    (plan.PAGE_BYTES, "kernels/common/region.h", "kPageBytes"),
 ])
 def test_layout_constants_agree(python_value, header, name):
     assert cc_constant(header, name) == python_value, (header, name)

@@ -3,11 +3,12 @@
 
 `make -s cpp-test` builds the program with g++ from the engine sources the
 fuzz target uses (Makefile FUZZ_ENGINE: no TensorFlow) and runs it: the wire
-format and socket helpers, regions in /dev/shm, EngineConfig::Parse,
-SlotSpec::Validate and the slot/credit layout, SHA-256/HMAC vectors, notice
-waits, and the shm/tcp write paths. The first build takes about 30 s of CPU;
-later runs reuse the binary until a source changes, and the run itself takes
-about a second.
+format and socket helpers, regions in /dev/shm and the collection of stale
+segments, EngineConfig::Parse, SlotSpec::Validate and the slot/credit layout,
+SHA-256/HMAC vectors, notice waits, the shm/tcp write paths, and
+ChooseTransport (which transport a pair uses). The first build takes about
+30 s of CPU; later runs reuse the binary until a source changes, and the run
+itself takes about a second.
 
 Checked here: the program passed, it ran every TEST of the source file (a
 registry that silently lost its tests fails), each one reported OK, and it

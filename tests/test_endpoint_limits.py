@@ -58,7 +58,8 @@ N_TASKS = PROBE_BASE + N_PROBES
 TIMEOUT_S = 20  # TF_RDMA_TIMEOUT of the endpoint and the legitimate writer
 ENDPOINT_NOFILE = 1024  # per-writer region limit: max(64, min(1024, 1024 // 4))
 
-# Engine constants (kernels/engine/engine.cc) the tests check against.
+# Engine constants (kernels/engine/handshake.cc, engine_internal.h) the tests
+# check against.
 MAX_HANDSHAKES = 64
 MAX_HANDSHAKES_PER_SOURCE = 16
 HANDSHAKE_DEADLINE_S = 10

@@ -44,8 +44,9 @@ def run_in_subprocess(path, code="import tf_rdma.ops"):
 
 
 # What must start without TensorFlow: the package, the graph passes, the
-# settings, the collectives package (its cost model and simulator) and the
-# command line with every subcommand's parser.
+# settings, the collectives package (its cost model and simulator), the
+# command line with every subcommand's parser, and the engine's rules that
+# the doctor and the launcher apply (tf_rdma._native).
 LIGHT_IMPORTS = """
 import sys
 import tf_rdma, tf_rdma.errors, tf_rdma.cluster, tf_rdma.settings
@@ -53,6 +54,9 @@ import tf_rdma.graph_passes.plan, tf_rdma.launch, tf_rdma.doctor.command, tf_rdm
 import tf_rdma.collectives, tf_rdma.collectives.simulate, tf_rdma.collectives.cost
 tf_rdma.cli.build_parser()  # every subcommand's module (`tf-rdma launch`, ...)
 plan = tf_rdma.Plan([tf_rdma.Transfer("x", "/job:w/task:0", "/job:w/task:1", "float32", [4])])
+from tf_rdma import _native
+_native.choose_transport({"allowed": "auto", "host": "127.0.0.1"}, {"host": "localhost"})
+_native.remove_stale_segments(owner_pids=[99999999])
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras"))
 print("LOADED", loaded)
 """

@@ -13,7 +13,7 @@ of 1024/1025 bytes, bodies of 64 KiB and one byte more, junk fields; OPEN
 replies nobody asked for, ERROR frames, unknown types, bad magic, random
 headers, headers cut short.
 
-Every frame's fate is predicted from the documented bounds (kernels/engine/
+Every frame's fate is predicted from the documented bounds (kernels/common/
 wire.h): a WRITE the endpoint must take keeps the connection, anything it
 must refuse closes it (the fuzzer then reconnects and opens its regions
 again). Every byte a taken WRITE carries is a function of its position in

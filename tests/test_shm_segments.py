@@ -1,4 +1,4 @@
-"""Shared-memory segments left by dead processes (kernels/engine/region.h).
+"""Shared-memory segments left by dead processes (kernels/common/region.h).
 
 A segment's owner holds a shared flock on it while it lives; the collection
 that every endpoint runs when it starts (and

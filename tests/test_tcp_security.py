@@ -5,10 +5,10 @@ One real tf_rdma endpoint (task worker:1, TF_RDMA_TRANSPORT=tcp, job secret
 tensor from each of several writer tasks (one region per writer, so every test
 owns its own region and no test depends on another's outcome). The test
 process is the other side: it opens plain TCP sockets to the endpoint and
-speaks the protocol of kernels/engine/wire.h and the handshake of
-kernels/engine/engine.cc by hand (socket, struct, hmac), then checks what the
-endpoint did by reading the endpoint's log and by mapping its receive regions
-(/dev/shm/tfrdma.<pid>.<n>) read-only.
+speaks the protocol of kernels/common/wire.h and the handshake of
+kernels/engine/handshake.cc by hand (socket, struct, hmac), then checks what
+the endpoint did by reading the endpoint's log and by mapping its receive
+regions (/dev/shm/tfrdma.<pid>.<n>) read-only.
 
 `test_valid_write_is_received` proves that this hand-written client speaks the
 real protocol (the endpoint's recv returns exactly the bytes it wrote), so the

@@ -1,10 +1,10 @@
 """A tf_rdma writer written from the wire format alone (socket, struct, hmac).
 
 Tests that attack or fuzz an endpoint speak the protocol through `RawPeer`:
-the handshake of kernels/engine/engine.cc ("Bootstrap handshake") and the
-frames of kernels/engine/wire.h. It is written from those comments, not from
-the C++ code, so that a test passing through it shows that the documented
-protocol is the real one.
+the handshake of kernels/engine/handshake.cc and the frames of
+kernels/common/wire.h. It is written from those comments, not from the C++
+code, so that a test passing through it shows that the documented protocol is
+the real one.
 """
 
 import hashlib

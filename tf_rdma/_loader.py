@@ -109,9 +109,6 @@ def load():
         cdll.tfrdma_verbs_probe.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
                                             ctypes.c_int]
         cdll.tfrdma_verbs_probe.restype = ctypes.c_int
-        cdll.tfrdma_remove_stale_segments.argtypes = [
-            ctypes.POINTER(ctypes.c_ulonglong)]
-        cdll.tfrdma_remove_stale_segments.restype = ctypes.c_int
         cdll.tfrdma_hmac_sha256.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                             ctypes.c_char_p, ctypes.c_int,
                                             ctypes.c_char_p]

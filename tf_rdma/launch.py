@@ -36,7 +36,6 @@ well; see :mod:`tf_rdma.cluster` for the address rule.
 import argparse
 import collections
 import ctypes
-import fcntl
 import json
 import os
 import secrets
@@ -48,8 +47,8 @@ import sys
 import threading
 import time
 
-from tf_rdma import cluster as _cluster
-from tf_rdma.errors import ConfigError
+from tf_rdma import _native, cluster as _cluster
+from tf_rdma.errors import ConfigError, LibraryError
 from tf_rdma.subcommand import Command
 
 __all__ = ["main", "add_arguments", "run", "COMMAND", "READY_PREFIX"]
@@ -677,45 +676,25 @@ class _Launcher:
         self._remove_shm()
 
     def _remove_shm(self):
+        """Removes the segments the launched processes left in /dev/shm.
+
+        The engine's own collector does it (kernels/common/region.h, through
+        tf_rdma._native: no TensorFlow here), for these pids only: a segment
+        goes only if no process holds its lock, since pids are reused and a
+        process that drew one since holds a lock on each segment it owns.
+        """
         if not self.pids or not os.path.isdir(_SHM_DIR):
             return
-        prefixes = tuple(f"tfrdma.{pid}." for pid in self.pids)
         try:
-            names = os.listdir(_SHM_DIR)
-        except OSError:
+            collected = _native.remove_stale_segments(owner_pids=self.pids)
+        except LibraryError as err:
+            self.out.say(f"could not remove leaked shared-memory segments: {err}")
             return
-        removed = []
-        for name in names:
-            if name.startswith(prefixes):
-                try:
-                    if _remove_if_unowned(os.path.join(_SHM_DIR, name)):
-                        removed.append(name)
-                except FileNotFoundError:
-                    pass
-                except OSError as err:
-                    self.out.say(f"could not remove {_SHM_DIR}/{name}: {err}")
-        if removed:
-            self.out.say(f"removed {len(removed)} leaked shared-memory segment(s) from {_SHM_DIR}")
-
-
-def _remove_if_unowned(path):
-    """Removes a segment unless a live process holds it (region.h's lock).
-
-    The pid in the name is the server's, but pids are reused: a process that
-    drew it since holds a shared lock on each segment it owns.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if os.fstat(fd).st_nlink == 0:
-            return False  # removed meanwhile
-        os.unlink(path)
-        return True
-    finally:
-        os.close(fd)
+        for error in collected["errors"]:
+            self.out.say(f"could not remove {_SHM_DIR}/{error}")
+        if collected["removed"]:
+            self.out.say(f"removed {len(collected['removed'])} leaked shared-memory segment(s) "
+                         f"from {_SHM_DIR}")
 
 
 def _one_line(command, limit=200):

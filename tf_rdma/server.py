@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from tf_rdma import _loader, cluster as cluster_lib, settings
+from tf_rdma import _loader, _native, cluster as cluster_lib, settings
 from tf_rdma.errors import ConfigError, EndpointError
 
 __all__ = ["Endpoint", "Server", "start_endpoint", "endpoint_info"]
@@ -74,22 +74,26 @@ def endpoint_running():
 def endpoint_info():
     """Returns the running endpoint's state as a dict ("pair" lists connections).
 
-    Keys: task, listen_port, transport, refused_connections (connections
-    closed before or during their handshake: over a limit, denied),
-    verbs (the RDMA device, or "unusable: <why>"), pair (list of "a -> b transport"), region (list of
-    "name segment bytes").
+    Keys: task, listen_port (int), transport (the setting),
+    refused_connections (int: connections closed before or during their
+    handshake, over a limit or denied), verbs (the RDMA device, or
+    "unusable: <why>"), pairs (a dict ``{writer, reader, transport}`` per
+    connection), regions (a dict ``{id, name, segment, bytes}`` per region;
+    ``id`` is what a peer's frames name it by), and the same as lines: pair
+    (``"writer -> reader transport"``) and region (``"name segment bytes"``).
     """
     c = _loader.load().c
     size = c.tfrdma_info(None, 0)
-    buf = ctypes.create_string_buffer(size + 1024)
-    c.tfrdma_info(buf, len(buf))
-    info = {"pair": [], "region": []}
-    for line in buf.value.decode().splitlines():
-        key, _, value = line.partition("=")
-        if key in ("pair", "region"):
-            info[key].append(value)
-        else:
-            info[key] = value
+    while True:
+        buf = ctypes.create_string_buffer(size + 1024)
+        size = c.tfrdma_info(buf, len(buf))
+        if size <= len(buf):  # else it grew meanwhile: ask again
+            break
+    info = json.loads(buf.value.decode("utf-8", errors="replace"))
+    info["pair"] = [f"{p['writer']} -> {p['reader']} {p['transport']}"
+                    for p in info["pairs"]]
+    info["region"] = [f"{r['name']} {r['segment']} {r['bytes']}"
+                      for r in info["regions"]]
     return info
 
 
@@ -98,7 +102,8 @@ def remove_stale_segments():
 
     A process killed with SIGKILL cannot remove its segments from
     /dev/shm. Every endpoint does this when it starts; this is the same
-    collection on demand (for launchers and test harnesses). Only segments
+    collection on demand (for launchers and test harnesses), without loading
+    TensorFlow (:func:`tf_rdma._native.remove_stale_segments`). Only segments
     whose owner process is gone are removed: the owner holds a lock on each
     of its segments while it runs.
 
@@ -106,12 +111,10 @@ def remove_stale_segments():
         ``(count, bytes)`` of the segments removed.
 
     Raises:
-        LibraryError: The op library cannot be loaded.
+        LibraryError: The native library cannot be loaded.
     """
-    nbytes = ctypes.c_ulonglong(0)
-    count = _loader.load().c.tfrdma_remove_stale_segments(
-        ctypes.byref(nbytes))
-    return count, nbytes.value
+    collected = _native.remove_stale_segments()
+    return len(collected["removed"]), collected["bytes"]
 
 
 def verbs_status(env=None, host=None):

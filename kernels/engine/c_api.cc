@@ -4,9 +4,9 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
-#include "kernels/engine/sha256.h"
-#include "kernels/transport/plugin.h"
+#include "kernels/transport/factory.h"
 
 namespace {
 
@@ -36,7 +36,8 @@ void tfrdma_stop() { tf_rdma::Engine::Get()->Stop(); }
 
 int tfrdma_started() { return tf_rdma::Engine::Get()->started() ? 1 : 0; }
 
-// Copies Info() into out; returns the length it needs (call again if larger).
+// Copies Info() (JSON, Engine::Info) into out; returns the length it needs
+// (call again if larger).
 int tfrdma_info(char* out, int outlen) {
   std::string info = tf_rdma::Engine::Get()->Info();
   if (out != nullptr && outlen > 0) {
@@ -44,15 +45,6 @@ int tfrdma_info(char* out, int outlen) {
     out[outlen - 1] = '\0';
   }
   return static_cast<int>(info.size()) + 1;
-}
-
-// Removes the tfrdma segments in /dev/shm whose owner process is gone
-// (region.h); returns how many, with their total size in *bytes.
-int tfrdma_remove_stale_segments(unsigned long long* bytes) {
-  uint64_t total = 0;
-  int removed = tf_rdma::RemoveStaleSegments(&total);
-  if (bytes != nullptr) *bytes = total;
-  return removed;
 }
 
 // Whether the verbs transport is usable in this process, as the engine would
@@ -78,12 +70,14 @@ int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
       verbs_lines + "task=probe\nlisten=" + listen +
           "\nsecret=probe-needs-no-secret\n",
       &c);
+  tf_rdma::TransportOptions options;
   int port = 0;
-  if (s.ok()) s = tf_rdma::SplitHostPort(listen, &c.verbs.local_host, &port);
-  std::unique_ptr<tf_rdma::VerbsDevice> device;
-  if (s.ok()) s = tf_rdma::OpenVerbs(c.verbs, &device);
+  if (s.ok()) s = tf_rdma::SplitHostPort(listen, &options.local_host, &port);
+  options.verbs = c.verbs;
+  std::unique_ptr<tf_rdma::Transport> verbs;
+  if (s.ok()) s = tf_rdma::OpenTransport("verbs", options, &verbs);
   if (!s.ok()) return Fail(s, out, outlen);
-  return Fail(tf_rdma::Status(tf_rdma::Code::kOk, device->Describe()), out,
+  return Fail(tf_rdma::Status(tf_rdma::Code::kOk, verbs->Describe()), out,
               outlen);
 }
 

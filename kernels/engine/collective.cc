@@ -8,8 +8,8 @@
 #include <set>
 #include <utility>
 
+#include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
-#include "kernels/engine/sha256.h"
 
 namespace tf_rdma {
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 
 namespace tf_rdma {
 

@@ -20,6 +20,14 @@
 // The credit words live in a small region of the writer's, so credits travel
 // exactly like data: a one-sided write with a notice. Nothing on either side
 // ever blocks without a deadline, and a dead peer fails every wait on it.
+//
+// Engine is one class, defined across files named for their jobs:
+// engine.cc (start and stop), config.cc (config and slot specs),
+// handshake.cc (the bootstrap handshake), peers.cc (restarted peers),
+// connections.cc (connections after the handshake), regions.cc (regions and
+// OPEN requests), send.cc, match.cc (matching calls), recv.cc, poller.cc
+// (waiting for a recv without a thread per wait) and thread_pool.{h,cc}
+// (blocking-work threads); engine_internal.h holds the state they share.
 #ifndef TF_RDMA_ENGINE_ENGINE_H_
 #define TF_RDMA_ENGINE_ENGINE_H_
 
@@ -36,12 +44,14 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/status.h"
+#include "kernels/common/transport_choice.h"
+#include "kernels/common/wait.h"
+#include "kernels/common/wire.h"
+#include "kernels/engine/thread_pool.h"
+#include "kernels/transport/factory.h"
 #include "kernels/transport/transport.h"
-#include "kernels/transport/verbs/device.h"
 
 namespace tf_rdma {
 
@@ -120,8 +130,8 @@ struct SlotSpec {
   int64_t credit_index = 0;
   int64_t timeout_ms = -1;  // < 0: the engine's default
   // Calls of a rewritten function may overlap: each write carries the
-  // call's id and the reader takes only its own call's copy (see "Matching
-  // calls" in engine.cc). false: both sides pair their ops in order.
+  // call's id and the reader takes only its own call's copy (see
+  // match.cc). false: both sides pair their ops in order.
   bool match_calls = false;
 
   // Checks that the slot fits its region and its credit line fits the credit
@@ -178,7 +188,10 @@ class Engine {
   bool started() const { return started_.load(); }
   const EngineConfig& config() const { return config_; }
   int listen_port() const { return listen_port_; }
-  // "key=value" lines: task, listen port, one "pair=" line per connection.
+  // A JSON object: task, listen_port, transport (the setting),
+  // refused_connections, verbs (the device, or "unusable: <why>"), pairs
+  // ({writer, reader, transport} per live connection) and regions ({id,
+  // name, segment, bytes}, id = the region's index).
   std::string Info();
 
   // Send: ClaimSend in op order, then FinishSend (may block, bounded). A
@@ -215,8 +228,8 @@ class Engine {
   // ticket->payload, checks it against the payload area it names, and
   // points ticket->payload at the tensor's bytes.
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
-  // Waits for the data without holding a thread: the wait joins the poller (see
-  // engine.cc, "The poller") and `done` is called exactly once with the
+  // Waits for the data without holding a thread: the wait joins the poller
+  // (see poller.cc) and `done` is called exactly once with the
   // outcome, on the poller thread (or an engine thread, see there). A
   // failed step has been given back when `done` runs.
   using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
@@ -224,7 +237,7 @@ class Engine {
   // Called by a send op on TensorFlow's thread once its data is written:
   // if recvs of this process are waiting, polls them for up to
   // kHelpPollFactor * poll_us and completes the first one whose data lands,
-  // on this thread. Returns true if it completed one. See engine.cc.
+  // on this thread. Returns true if it completed one. See poller.cc.
   bool HelpRecvs();
   void Release(const RecvTicket& ticket);
 
@@ -239,7 +252,7 @@ class Engine {
 
   void Log(const std::string& line);
   // Log for lines a peer can cause (rejections): at most a few per
-  // interval, then one summary line (engine.cc, "Bootstrap handshake").
+  // interval, then one summary line (handshake.cc).
   void LogLimited(const std::string& line);
   // Connections refused or rejected before or in the handshake.
   uint64_t refused_connections() const;
@@ -261,13 +274,12 @@ class Engine {
   void HandleFrame(const std::shared_ptr<Connection>& conn);
   void FlushLimitedLog();
   void FlushLimitedLocked();
-  // Restarted peers (engine.cc).
+  // Restarted peers (peers.cc).
   void NotePeerIncarnation(const std::shared_ptr<Connection>& conn);
   std::string RestartMessage(const std::string& peer, bool peer_writes);
   // Publishes the notices a verbs pair received (progress thread).
   void HandleNotices(const std::shared_ptr<Connection>& conn);
-  // Makes the pair of the transport both ends chose; verbs exchanges the
-  // queue pair addresses on `fd` first (the dialling side speaks first).
+  // Makes the pair of the transport both ends chose, through its backend.
   Status MakePair(const std::string& transport, bool dialed,
                   const std::shared_ptr<Connection>& conn,
                   const Deadline& deadline);
@@ -305,7 +317,7 @@ class Engine {
                         const Deadline& deadline, SendRegion* region);
   Status SendStep(SendTicket ticket, const void* data,
                   const DynamicMeta* meta);
-  // Matching calls (engine.cc): the writer takes any free copy, the reader
+  // Matching calls (match.cc): the writer takes any free copy, the reader
   // the copy its call's writer filled.
   Status AcquireCopy(SendTicket* ticket,
                      const std::shared_ptr<Connection>& conn,
@@ -325,7 +337,7 @@ class Engine {
                       const Status& timeout);
   void GiveBackRecv(RecvTicket* ticket, const Status& why);
 
-  // The poller (engine.cc).
+  // The poller (poller.cc).
   struct PendingRecv;
   void PollerLoop();
   void RingPoller();
@@ -338,16 +350,18 @@ class Engine {
                         const std::string& what);
   int64_t TimeoutFor(const SlotSpec& spec) const;
   std::string HostId() const;
+  // This end of a pair, for ChooseTransport: its setting, verbs device and
+  // host identity.
+  PairEnd ThisEnd() const;
   std::vector<std::string> AllowedTransports() const;
-  // Opens the RDMA device when the transport setting allows verbs. An error
-  // only when verbs is unusable and the setting names it without tcp to fall
-  // back on; otherwise ("auto", "verbs,tcp", ...) the reason is logged once
-  // and kept (Info) and the pairs use the other transports.
-  Status StartVerbs(const EngineConfig& config, const std::string& host);
+  // Opens the backends the transport setting allows (transport/factory.h).
+  // One that cannot be used here (verbs without a device) is an error only
+  // when the setting has no tcp to fall back on; otherwise ("auto",
+  // "verbs,tcp", ...) the reason is logged once and kept (Info) and the
+  // pairs use the other transports.
+  Status StartTransports(const EngineConfig& config, const std::string& host);
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
-
-  void PoolThread();
 
   EngineConfig config_;
   std::string incarnation_;  // random per Start (see "Restarted peers")
@@ -370,9 +384,10 @@ class Engine {
   std::map<std::string, std::string> peer_incarnation_;
   // Connections whose notices arrive as messages (verbs), by notice fd.
   std::map<int, std::shared_ptr<Connection>> by_notice_fd_;
-  // The RDMA device (opened once per process), or why it is not used.
-  std::unique_ptr<VerbsDevice> verbs_;
-  std::string verbs_unusable_;
+  // The backends opened (once per process: verbs holds the RDMA device),
+  // by name, and why the others are not used.
+  std::map<std::string, std::unique_ptr<Transport>> transports_;
+  std::map<std::string, std::string> unusable_;
   std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
   std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
   std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;
@@ -396,12 +411,8 @@ class Engine {
   uint64_t limited_suppressed_ = 0;
   std::string limited_last_;
 
-  // Blocking-work threads (Schedule); grows on demand, idle threads exit.
-  int pool_threads_ = 0;  // under pool_mu_
-  std::mutex pool_mu_;
-  std::condition_variable pool_cv_;
-  std::deque<std::function<void()>> pool_queue_;
-  int pool_idle_ = 0;
+  // Blocking-work threads (Schedule).
+  ThreadPool pool_{[this](const std::string& line) { LogLimited(line); }};
 
   // The poller: one thread, started with the first wait it gets.
   std::once_flag poller_once_;

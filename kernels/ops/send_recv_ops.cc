@@ -9,7 +9,7 @@
 // longer joins the engine's poller and a send that must wait moves to an
 // engine thread, so TensorFlow's inter-op threads never block on a peer. A
 // send that completed inline briefly helps the poller: the answer it
-// probably expects is completed on its thread (engine.cc, "The poller").
+// probably expects is completed on its thread (engine/poller.cc).
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
 #include "kernels/ops/tf_status.h"
@@ -112,7 +112,7 @@ absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
 
 // The call an op runs in, for slots that match calls: TensorFlow gives every
 // component of one multi-device function call, on every task, the same step
-// id (engine.cc, "Matching calls").
+// id (engine/match.cc).
 uint64_t CallOf(OpKernelContext* ctx) {
   return static_cast<uint64_t>(ctx->step_id());
 }
@@ -152,7 +152,7 @@ class SendOp : public AsyncOpKernel {
       OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
       done();
       // An answer often follows a send: wait for it on this thread, which
-      // then goes on to run what the answer unblocks (engine.cc).
+      // then goes on to run what the answer unblocks (engine/poller.cc).
       engine->HelpRecvs();
       return;
     }

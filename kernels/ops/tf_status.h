@@ -3,7 +3,7 @@
 #define TF_RDMA_OPS_TF_STATUS_H_
 
 #include "absl/status/status.h"
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 
 namespace tf_rdma {
 

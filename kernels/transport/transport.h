@@ -10,7 +10,7 @@
 //     sees the payload.
 //
 // The reader never takes part: it waits on the notice word in its own memory
-// (engine/wait.h). That is RDMA semantics, and each backend provides it its
+// (common/wait.h). That is RDMA semantics, and each backend provides it its
 // own way:
 //   - shm:   the peer's segment is mapped here; memcpy, release-store, futex
 //            wake. No thread on the receiving side is involved.
@@ -25,19 +25,23 @@
 //            Regions are registered once, when first exposed to a verbs
 //            peer (they are created once, never on the data path).
 // A pair is created after the bootstrap handshake on the control connection
-// (engine.cc) has authenticated the peer and chosen the backend; the control
+// (engine/handshake.cc) has authenticated the peer and chosen the backend,
+// by the backend's Transport (below), which the engine gets by name from
+// the registry (transport/factory.h) and never names itself; the control
 // connection carries the region descriptors.
 #ifndef TF_RDMA_TRANSPORT_TRANSPORT_H_
 #define TF_RDMA_TRANSPORT_TRANSPORT_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
+#include "kernels/common/region.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 
@@ -136,6 +140,39 @@ class Pair {
   // is in the error state); the engine then closes the connection, so that
   // the peer learns it too.
   virtual bool broken() const { return false; }
+  // True when the pair maps the peer's segments (shm): the peer runs on this
+  // host, and if it dies its segments stay in this host's /dev/shm until a
+  // collection removes them (the engine runs one when the connection drops).
+  virtual bool maps_peer_segments() const { return false; }
+};
+
+// Returns the local region a peer may write with this id, or nullptr.
+using RegionLookup = std::function<Region*(uint32_t id)>;
+
+// What a backend needs to make the pair of one connection.
+struct PairSetup {
+  int fd = -1;                    // the control connection's socket
+  std::mutex* send_mu = nullptr;  // serializes every frame sent on fd
+  bool dialed = false;  // this side dialled (it speaks first in a set-up
+                        // exchange) and writes data; the peer writes credits
+  std::string peer;     // the peer's task, for messages
+};
+
+// One backend, opened once per process (transport/factory.h): it makes the
+// pairs of the connections whose handshake chose it.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // "shm", "tcp" or "verbs".
+  virtual const char* name() const = 0;
+  // The device it drives, for the log and the endpoint's info ("mlx5_0
+  // port 1, RoCE v2, ..."); "" when there is nothing to describe.
+  virtual std::string Describe() const { return ""; }
+  // Makes the pair of a connection right after its handshake, on the
+  // handshake's thread; a set-up exchange on setup.fd (verbs: the queue
+  // pair addresses) is bounded by `deadline`.
+  virtual Status NewPair(const PairSetup& setup, const Deadline& deadline,
+                         std::unique_ptr<Pair>* out) = 0;
 };
 
 }  // namespace tf_rdma

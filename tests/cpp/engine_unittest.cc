@@ -1,7 +1,8 @@
 // C++ unit tests of the engine pieces that work without TensorFlow (issue 14):
-// the wire format and socket helpers, regions, the engine's config parser,
-// SlotSpec::Validate and the slot/credit layout it guards, SHA-256/HMAC, the
-// notice-word waits and the shm/tcp transports' write paths.
+// the wire format and socket helpers, regions and the collection of stale
+// segments, the engine's config parser, SlotSpec::Validate and the
+// slot/credit layout it guards, SHA-256/HMAC, the notice-word waits, the
+// shm/tcp transports' write paths, and which transport a pair uses.
 //
 // Built by `make cpp-test` with g++ from the same engine sources as the fuzz
 // target (Makefile FUZZ_ENGINE), no TensorFlow, no gtest: a small CHECK/EXPECT
@@ -26,6 +27,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -46,17 +48,20 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/engine/engine.h"
-#include "kernels/engine/region.h"
-#include "kernels/engine/sha256.h"
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/sha256.h"
+#include "kernels/common/status.h"
+#include "kernels/common/text.h"
+#include "kernels/common/transport_choice.h"
+#include "kernels/common/wait.h"
+#include "kernels/common/wire.h"
 #include "kernels/transport/shm/pair.h"
 #include "kernels/transport/tcp/pair.h"
 #include "kernels/transport/transport.h"
@@ -353,12 +358,12 @@ tf_rdma::SlotSpec GoodSlot() {
   return s;
 }
 
-// The slot layout of engine.h's protocol comment, restated here because
-// engine.cc's helpers (CopyOf, CopyOffset, CreditWord, CreditNeeded) are in
-// an anonymous namespace: copy c of a slot starts at offset + c * stride
-// (64-byte header: sequence word at +0, call word at +8, then the payload),
-// and its credit line is line credit_index * depth + c of the credit region,
-// kCreditLineBytes each, the credit word first.
+// The slot layout of engine.h's protocol comment, restated here apart from
+// the engine's own helpers (CopyOffset, CreditWord in engine_internal.h), so
+// that it pins the layout they must follow: copy c of a slot starts at
+// offset + c * stride (64-byte header: sequence word at +0, call word at +8,
+// then the payload), and its credit line is line credit_index * depth + c of
+// the credit region, kCreditLineBytes each, the credit word first.
 uint64_t CopyOffset(const tf_rdma::SlotSpec& s, uint64_t copy) {
   return s.offset + copy * s.stride;
 }
@@ -520,7 +525,7 @@ TEST(wire_parse_uint_rejects) {
     uint64_t v = 777;
     bool ok = tf_rdma::ParseUint(text, &v);
     if (!EXPECT_FALSE(ok)) std::printf("      input: %s\n", ut::Escape(text).c_str());
-    // Not written on failure: DecodeDescriptor (engine.cc) relies on an
+    // Not written on failure: DecodeDescriptor (regions.cc) relies on an
     // absent field leaving the default.
     EXPECT_EQ(v, uint64_t{777});
   }
@@ -1414,8 +1419,8 @@ TEST(slot_layout_within_bounds_when_valid) {
   // Credit and sequence arithmetic reachable without an engine: for every
   // slot Validate accepts, each copy's sequence word, call word and payload
   // and each credit word (engine.h's layout, CopyOffset / CreditLineOffset
-  // above) pass the receiving side's bounds check. engine.cc's own helpers
-  // are private; this pins the layout they must follow.
+  // above) pass the receiving side's bounds check. The engine's own helpers
+  // are internal; this pins the layout they must follow.
   std::vector<tf_rdma::SlotSpec> specs;
   for (int64_t depth : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{64}}) {
     for (uint64_t nbytes : {uint64_t{0}, uint64_t{1}, uint64_t{960},
@@ -1778,6 +1783,295 @@ TEST(status_basics) {
   Status e = tf_rdma::ErrnoStatus("open", ENOENT);
   EXPECT_CODE(e, kInternal);
   EXPECT_CONTAINS(e.message(), "open: ");
+}
+
+// ---------------------------------------------------------------------------
+// Which transport a pair uses (kernels/common/transport_choice.h).
+
+namespace {
+
+using tf_rdma::ChooseTransport;
+using tf_rdma::HostKind;
+using tf_rdma::PairEnd;
+using tf_rdma::TransportChoice;
+using tf_rdma::Verbs;
+
+std::vector<std::string> Allowed(const std::string& setting) {
+  std::vector<std::string> out;
+  Status s = tf_rdma::ParseTransportSetting(setting, &out);
+  if (!s.ok()) std::printf("      bad setting: %s\n", s.message().c_str());
+  return out;
+}
+
+// An end as the handshake knows it: its setting, verbs, boot id + netns.
+PairEnd Identified(const std::string& task, const std::string& setting,
+                   Verbs verbs, const std::string& boot,
+                   const std::string& netns) {
+  PairEnd e;
+  e.task = task;
+  e.allowed = Allowed(setting);
+  e.verbs = verbs;
+  e.identified = true;
+  e.boot_id = boot;
+  e.netns = netns;
+  return e;
+}
+
+// An end as a prediction knows it: an address and what it is to this
+// machine.
+PairEnd AtAddress(const std::string& task, const std::string& host,
+                  HostKind kind, const std::string& setting = "auto",
+                  Verbs verbs = Verbs::kUnusable) {
+  PairEnd e;
+  e.task = task;
+  e.allowed = setting.empty() ? std::vector<std::string>() : Allowed(setting);
+  e.verbs = verbs;
+  e.host = host;
+  e.host_kind = kind;
+  return e;
+}
+
+}  // namespace
+
+TEST(transport_setting_parse) {
+  std::vector<std::string> names;
+  EXPECT_OK(tf_rdma::ParseTransportSetting("auto", &names));
+  EXPECT_EQ(tf_rdma::Join(names, ","), std::string("verbs,shm,tcp"));
+  EXPECT_OK(tf_rdma::ParseTransportSetting("tcp,shm", &names));
+  EXPECT_EQ(tf_rdma::Join(names, ","), std::string("tcp,shm"));
+  for (const char* bad : {"", "rdma", "shm,shm", "auto,tcp", ","}) {
+    Status s = tf_rdma::ParseTransportSetting(bad, &names);
+    EXPECT_CODE(s, kInvalidArgument);
+    EXPECT_CONTAINS(s.message(), "is not auto or a list of verbs, shm, tcp");
+  }
+}
+
+TEST(transport_choice_same_host_by_boot_id_and_netns) {
+  // The handshake: both ends' identities decide, whatever the addresses say.
+  PairEnd reader = Identified("r", "auto", Verbs::kUnusable, "boot1", "net:[1]");
+  PairEnd writer = Identified("w", "shm,tcp", Verbs::kUnusable, "boot1",
+                              "net:[1]");
+  writer.host = "10.0.0.9";
+  writer.host_kind = HostKind::kRemote;
+  TransportChoice c = ChooseTransport(reader, writer);
+  EXPECT_EQ(c.transport, std::string("shm"));
+  EXPECT_TRUE(c.same_host);
+  EXPECT_EQ(c.fallback, std::string());
+  EXPECT_CONTAINS(c.host_reason, "same boot id and network namespace");
+  EXPECT_EQ(c.reason, c.host_reason);
+}
+
+TEST(transport_choice_different_netns_or_boot) {
+  // Network namespaces of one machine count as hosts: tcp, even on
+  // loopback addresses.
+  PairEnd reader = Identified("r", "auto", Verbs::kUnusable, "boot1", "net:[1]");
+  reader.host_kind = HostKind::kLoopback;
+  PairEnd writer = Identified("w", "auto", Verbs::kUnusable, "boot1", "net:[2]");
+  writer.host_kind = HostKind::kLoopback;
+  TransportChoice c = ChooseTransport(reader, writer);
+  EXPECT_EQ(c.transport, std::string("tcp"));
+  EXPECT_FALSE(c.same_host);
+  EXPECT_CONTAINS(c.host_reason, "different network namespaces");
+  writer.netns = "net:[1]";
+  writer.boot_id = "boot2";
+  c = ChooseTransport(reader, writer);
+  EXPECT_EQ(c.transport, std::string("tcp"));
+  EXPECT_CONTAINS(c.host_reason, "boot ids differ");
+  // A host id without a namespace part (as a HELLO field without '/' parses)
+  // is another host.
+  writer.boot_id = "boot1";
+  writer.netns = "";
+  EXPECT_EQ(ChooseTransport(reader, writer).transport, std::string("tcp"));
+}
+
+TEST(transport_choice_address_only_prediction) {
+  // No identities: the addresses decide.
+  PairEnd me = AtAddress("a", "", HostKind::kLocal);
+  struct Case {
+    const char* host;
+    HostKind kind;
+    bool same;
+    const char* why;
+  };
+  for (const Case& k : std::vector<Case>{
+           {"127.0.0.1", HostKind::kLoopback, true, "addresses of this host"},
+           {"10.1.1.1", HostKind::kLocal, true, "addresses of this host"},
+           {"192.0.2.9", HostKind::kRemote, false,
+            "different hosts: b is on 192.0.2.9 (not this machine)"},
+           {"", HostKind::kUnknown, false, "different hosts"}}) {
+    PairEnd peer = AtAddress("b", k.host, k.kind, "");
+    TransportChoice c = ChooseTransport(me, peer);
+    EXPECT_EQ(c.same_host, k.same);
+    EXPECT_EQ(c.transport, std::string(k.same ? "shm" : "tcp"));
+    EXPECT_CONTAINS(c.host_reason, k.why);
+  }
+  // Both on loopback.
+  PairEnd lo = AtAddress("a", "localhost", HostKind::kLoopback);
+  TransportChoice c =
+      ChooseTransport(lo, AtAddress("b", "127.0.0.2", HostKind::kLoopback));
+  EXPECT_CONTAINS(c.host_reason, "both tasks are on loopback addresses");
+  // Two tasks of another machine with the same host string.
+  c = ChooseTransport(AtAddress("a", "Node7", HostKind::kRemote),
+                      AtAddress("b", "node7", HostKind::kRemote));
+  EXPECT_TRUE(c.same_host);
+  EXPECT_EQ(c.transport, std::string("shm"));
+  EXPECT_CONTAINS(c.host_reason, "both tasks are on host Node7");
+  c = ChooseTransport(AtAddress("a", "node7", HostKind::kRemote),
+                      AtAddress("b", "node8", HostKind::kRemote));
+  EXPECT_FALSE(c.same_host);
+  EXPECT_CONTAINS(c.host_reason, "a is on node7, b is on node8");
+  // One end identified is not enough: the addresses decide.
+  PairEnd known = Identified("a", "auto", Verbs::kUnusable, "boot1", "net:[1]");
+  known.host_kind = HostKind::kLocal;
+  c = ChooseTransport(known, AtAddress("b", "192.0.2.9", HostKind::kRemote, ""));
+  EXPECT_FALSE(c.same_host);
+  EXPECT_CONTAINS(c.host_reason, "not this machine");
+}
+
+TEST(transport_choice_verbs_allowed_and_unavailable) {
+  // Both ends have a device: verbs, on one host too.
+  PairEnd r = Identified("r", "auto", Verbs::kUsable, "b", "n");
+  r.verbs_detail = "mlx5_0 port 1";
+  PairEnd w = Identified("w", "verbs,shm,tcp", Verbs::kUsable, "b", "n");
+  TransportChoice c = ChooseTransport(r, w);
+  EXPECT_EQ(c.transport, std::string("verbs"));
+  EXPECT_EQ(c.fallback, std::string());
+  EXPECT_CONTAINS(c.reason, "both ends have a usable RDMA device (mlx5_0");
+  // The peer has none (it did not offer verbs): the next that fits.
+  w.verbs = Verbs::kUnusable;
+  w.allowed = Allowed("shm,tcp");
+  EXPECT_EQ(ChooseTransport(r, w).transport, std::string("shm"));
+  // This end has none: verbs is skipped even though the peer offers it.
+  r.verbs = Verbs::kUnusable;
+  w = Identified("w", "auto", Verbs::kUsable, "b", "other-netns");
+  EXPECT_EQ(ChooseTransport(r, w).transport, std::string("tcp"));
+  // A prediction: the peer's device is not known. Verbs, and the fallback.
+  PairEnd me = AtAddress("a", "", HostKind::kLocal, "auto", Verbs::kUsable);
+  me.verbs_detail = "mlx5_0 port 1";
+  c = ChooseTransport(me, AtAddress("b", "192.0.2.9", HostKind::kRemote, "",
+                                    Verbs::kUnknown));
+  EXPECT_EQ(c.transport, std::string("verbs"));
+  EXPECT_EQ(c.fallback, std::string("tcp"));
+  EXPECT_CONTAINS(c.reason, "RDMA device mlx5_0 port 1 (when the other end "
+                            "has a usable device too; else tcp)");
+  c = ChooseTransport(me, AtAddress("b", "127.0.0.1", HostKind::kLoopback, "",
+                                    Verbs::kUnknown));
+  EXPECT_EQ(c.fallback, std::string("shm"));
+  // Verbs without tcp where verbs is not usable: the endpoint does not
+  // start, so no pair connects.
+  PairEnd strict = AtAddress("a", "", HostKind::kLocal, "shm,verbs");
+  strict.verbs_detail = "no RDMA devices";
+  c = ChooseTransport(strict, AtAddress("b", "127.0.0.1", HostKind::kLoopback,
+                                        ""));
+  EXPECT_EQ(c.transport, std::string());
+  EXPECT_CONTAINS(c.reason, "TF_RDMA_TRANSPORT=shm,verbs asks for verbs, "
+                            "which is not usable here (no RDMA devices)");
+  // With tcp in the list it falls back.
+  strict.allowed = Allowed("shm,verbs,tcp");
+  c = ChooseTransport(strict, AtAddress("b", "192.0.2.9", HostKind::kRemote,
+                                        ""));
+  EXPECT_EQ(c.transport, std::string("tcp"));
+}
+
+TEST(transport_choice_allowed_list_order) {
+  // The chooser's order decides; the peer's list only filters.
+  PairEnd r = Identified("r", "tcp,shm", Verbs::kUnusable, "b", "n");
+  PairEnd w = Identified("w", "shm,tcp", Verbs::kUnusable, "b", "n");
+  TransportChoice c = ChooseTransport(r, w);
+  EXPECT_EQ(c.transport, std::string("tcp"));
+  EXPECT_TRUE(c.same_host);
+  EXPECT_CONTAINS(c.reason, "tcp comes before shm");
+  c = ChooseTransport(w, r);
+  EXPECT_EQ(c.transport, std::string("shm"));
+  // Only tcp here: same host, but shm is not allowed.
+  r.allowed = Allowed("tcp");
+  c = ChooseTransport(r, w);
+  EXPECT_EQ(c.transport, std::string("tcp"));
+  EXPECT_CONTAINS(c.reason, "shm is not among the transports both ends allow");
+  // Nothing in common: the handshake's denial, naming both lists (the
+  // usable ones: this end's verbs is dropped, it has no device).
+  r = Identified("/job:w/task:1", "verbs,tcp", Verbs::kUnusable, "b", "n");
+  w = Identified("/job:w/task:0", "verbs", Verbs::kUsable, "b2", "n");
+  c = ChooseTransport(r, w);
+  EXPECT_EQ(c.transport, std::string());
+  EXPECT_EQ(c.reason, std::string("no common transport: /job:w/task:0 allows "
+                                  "verbs, /job:w/task:1 allows tcp "
+                                  "(different hosts)"));
+  // shm only, another host.
+  r = Identified("r", "shm", Verbs::kUnusable, "b", "n");
+  w = Identified("w", "shm", Verbs::kUnusable, "b", "n2");
+  c = ChooseTransport(r, w);
+  EXPECT_EQ(c.transport, std::string());
+  EXPECT_CONTAINS(c.reason, "no common transport: w allows shm, r allows shm "
+                            "(different hosts)");
+  // A peer's list is escaped in the reason (it comes off the wire).
+  w = Identified("w", "shm", Verbs::kUnusable, "b", "n2");
+  w.allowed = {"sh\x01m"};
+  c = ChooseTransport(r, w);
+  EXPECT_CONTAINS(c.reason, "w allows sh\\x01m");
+}
+
+TEST(transport_choice_classify_host) {
+  std::set<std::string> local = {"10.1.1.1"};
+  EXPECT_TRUE(tf_rdma::ClassifyHost("127.0.0.1", local) == HostKind::kLoopback);
+  EXPECT_TRUE(tf_rdma::ClassifyHost("localhost", local) == HostKind::kLoopback);
+  EXPECT_TRUE(tf_rdma::ClassifyHost("[::1]", local) == HostKind::kLoopback);
+  EXPECT_TRUE(tf_rdma::ClassifyHost("10.1.1.1", local) == HostKind::kLocal);
+  EXPECT_TRUE(tf_rdma::ClassifyHost("192.0.2.9", local) == HostKind::kRemote);
+  EXPECT_TRUE(tf_rdma::ClassifyHost("", local) == HostKind::kUnknown);
+  // This machine's own interfaces are local (or loopback).
+  for (const std::string& address : tf_rdma::LocalAddresses()) {
+    if (address.find('%') != std::string::npos) continue;  // link-local scope
+    HostKind kind = tf_rdma::ClassifyHost(address, tf_rdma::LocalAddresses());
+    EXPECT_TRUE(kind == HostKind::kLocal || kind == HostKind::kLoopback);
+  }
+  std::string boot, netns;
+  tf_rdma::ThisHost(&boot, &netns);
+  EXPECT_FALSE(boot.empty());
+  EXPECT_CONTAINS(netns, "net:[");
+}
+
+TEST(region_collect_stale_segments_of_given_owners) {
+  // Names of pids that cannot run (above pid_max): only this test's. A
+  // stale regular segment goes; a locked one, a directory and another
+  // owner's stale segment stay (the pid filter), and nothing is an error.
+  constexpr int64_t kNobody = 99999999, kOther = 99999998;
+  std::string stale = "tfrdma." + std::to_string(kNobody) + ".1";
+  std::string locked = "tfrdma." + std::to_string(kNobody) + ".2";
+  std::string dir = "tfrdma." + std::to_string(kNobody) + ".3";
+  std::string other = "tfrdma." + std::to_string(kOther) + ".1";
+  auto make = [](const std::string& name, off_t size) {
+    int fd = shm_open(("/" + name).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd >= 0 && ftruncate(fd, size) != 0) std::printf("      ftruncate\n");
+    return fd;
+  };
+  int stale_fd = make(stale, 8192);
+  int locked_fd = make(locked, 4096);
+  int other_fd = make(other, 4096);
+  ASSERT_TRUE(stale_fd >= 0 && locked_fd >= 0 && other_fd >= 0);
+  close(stale_fd);
+  close(other_fd);
+  // The lock an owner holds; a separate open file description, so that the
+  // collector's exclusive lock on its own one conflicts.
+  EXPECT_TRUE(flock(locked_fd, LOCK_SH) == 0);
+  EXPECT_TRUE(mkdir(("/dev/shm/" + dir).c_str(), 0700) == 0);
+  tf_rdma::StaleSegments got = tf_rdma::CollectStaleSegments({kNobody});
+  EXPECT_EQ(got.removed.size(), size_t{1});
+  if (!got.removed.empty()) EXPECT_EQ(got.removed[0], stale);
+  EXPECT_EQ(got.bytes, uint64_t{8192});
+  EXPECT_EQ(got.errors.size(), size_t{0});
+  EXPECT_FALSE(ShmExists("/" + stale));
+  EXPECT_TRUE(ShmExists("/" + locked));
+  EXPECT_TRUE(ShmExists("/" + other));
+  // Released: stale too; and without a filter, every owner's.
+  close(locked_fd);
+  got = tf_rdma::CollectStaleSegments();
+  EXPECT_FALSE(ShmExists("/" + locked));
+  EXPECT_FALSE(ShmExists("/" + other));
+  EXPECT_GE(got.removed.size(), size_t{2});
+  rmdir(("/dev/shm/" + dir).c_str());
+  shm_unlink(("/" + locked).c_str());
+  shm_unlink(("/" + other).c_str());
 }
 
 // ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@
 #include <string>
 
 #include "kernels/engine/engine.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/wire.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 namespace shm {

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/engine/region.h"
+#include "kernels/common/region.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {
@@ -25,6 +25,7 @@ class Pair : public ::tf_rdma::Pair {
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
                uint64_t notice_offset, uint64_t seq,
                const Deadline& deadline) override;
+  bool maps_peer_segments() const override { return true; }
 
  private:
   std::mutex mu_;

@@ -1,6 +1,6 @@
 #include "kernels/transport/tcp/pair.h"
 
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 namespace tcp {

@@ -1,7 +1,7 @@
 // The TCP backend: any two hosts.
 //
 // TCP has no one-sided write, so it is emulated: the writer sends a WRITE
-// frame (engine/wire.h) — header then payload, in one sendmsg — on the pair's
+// frame (common/wire.h) — header then payload, in one sendmsg — on the pair's
 // connection, and the reader's progress thread, which owns the receiving end
 // of every connection, reads the payload straight into the region (no
 // staging buffer) and publishes the notice word (ApplyWrite). The reader
@@ -11,11 +11,10 @@
 #define TF_RDMA_TRANSPORT_TCP_PAIR_H_
 
 #include <atomic>
-#include <functional>
 #include <mutex>
 
-#include "kernels/engine/region.h"
-#include "kernels/engine/wire.h"
+#include "kernels/common/region.h"
+#include "kernels/common/wire.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {
@@ -39,9 +38,6 @@ class Pair : public ::tf_rdma::Pair {
   std::atomic<bool> broken_{false};  // a frame was cut off by its deadline
   RemoteRegions regions_;
 };
-
-// Returns the local region a peer may write with this id, or nullptr.
-using RegionLookup = std::function<Region*(uint32_t id)>;
 
 // Applies a WRITE frame whose header `h` was just read from `fd`: checks it,
 // reads the payload into the region and publishes the notice. An error means

@@ -4,7 +4,7 @@
 // The backend lives in its own shared object, tf_rdma/_tf_rdma_verbs.so,
 // built only where the libibverbs headers exist and linked to libibverbs.
 // The core library never links libibverbs: it dlopens the plugin when the
-// verbs transport is allowed (transport/plugin.h) and talks to it only
+// verbs transport is allowed (verbs/factory.h) and talks to it only
 // through the abstract classes below, which include no verbs header. Both
 // libraries are compiled by setup.py with the same compiler and flags, and
 // the entry point's name carries an interface version, so a stale plugin is
@@ -16,29 +16,11 @@
 #include <memory>
 #include <string>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
+#include "kernels/transport/factory.h"
 #include "kernels/transport/transport.h"
 
 namespace tf_rdma {
-
-// The verbs settings (TF_RDMA_VERBS_*, tf_rdma/settings.py; checked there
-// and again by the plugin).
-struct VerbsSettings {
-  std::string device;        // "" = the first device with an active port
-  int port = 0;              // 0 = the device's first active port
-  int gid_index = -1;        // -1 = chosen (RoCE v2 GID of local_host)
-  int mtu = 0;               // path MTU in bytes (256..4096); 0 = the port's
-  int service_level = 0;     // 0..15
-  int traffic_class = 0;     // 0..255
-  int timeout = 14;          // ack timeout 4.096 us * 2^timeout, 1..31
-  int retry_count = 7;       // 0..7
-  int queue_depth = 128;     // send work requests per pair, 4..32768
-  int inline_bytes = 64;     // payloads this small are posted inline, 0..1024
-  uint64_t min_memlock = 64ull << 20;  // below this (and without
-                                       // CAP_IPC_LOCK) verbs is not usable
-  std::string local_host;    // the host this endpoint listens on
-  int64_t timeout_ms = 60000;  // bound of one write's completion
-};
 
 // A pair over an RC queue pair. Connecting it takes one exchange of
 // addresses (LID, GID, QP number, PSN, MTU) over the control connection.

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <thread>
 
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 namespace verbs {

@@ -1,7 +1,7 @@
 // The verbs backend: RDMA NICs (InfiniBand, RoCE).
 //
 // One RC queue pair per connection, brought up over the control connection
-// (engine.cc's handshake exchanges the two ends' address lines). Both ends
+// (verbs/factory.cc exchanges the two ends' address lines). Both ends
 // write through it: the writer of a region its payloads, the reader its
 // credits.
 //
@@ -41,7 +41,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 #include "kernels/transport/verbs/context.h"
 
 namespace tf_rdma {

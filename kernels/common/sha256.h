@@ -2,8 +2,8 @@
 // bootstrap handshake: peers prove knowledge of a shared job secret by
 // computing an HMAC over a nonce. Standard library only.
 
-#ifndef TF_RDMA_KERNELS_ENGINE_SHA256_H_
-#define TF_RDMA_KERNELS_ENGINE_SHA256_H_
+#ifndef TF_RDMA_COMMON_SHA256_H_
+#define TF_RDMA_COMMON_SHA256_H_
 
 #include <array>
 #include <cstddef>
@@ -58,4 +58,4 @@ bool ConstantTimeEqual(const uint8_t* a, const uint8_t* b, size_t len);
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_KERNELS_ENGINE_SHA256_H_
+#endif  // TF_RDMA_COMMON_SHA256_H_

@@ -1,4 +1,4 @@
-#include "kernels/engine/wait.h"
+#include "kernels/common/wait.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>

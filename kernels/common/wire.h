@@ -2,8 +2,8 @@
 //
 // Each directed pair of tasks (writer -> reader) has one TCP connection,
 // dialled by the writer to the reader's endpoint. It starts with a text
-// handshake (engine.cc: challenge, HELLO with an HMAC proof of the job
-// secret, WELCOME with the reader's proof and the chosen transport), then
+// handshake (engine/handshake.cc: challenge, HELLO with an HMAC proof of the
+// job secret, WELCOME with the reader's proof and the chosen transport), then
 // carries binary frames in both directions:
 //
 //   FrameHeader (48 bytes, little-endian) [+ body]
@@ -20,8 +20,8 @@
 //
 // The format is plain on purpose: a test (or a curious engineer) can speak
 // it from Python with the socket and hmac modules.
-#ifndef TF_RDMA_ENGINE_WIRE_H_
-#define TF_RDMA_ENGINE_WIRE_H_
+#ifndef TF_RDMA_COMMON_WIRE_H_
+#define TF_RDMA_COMMON_WIRE_H_
 
 #include <sys/uio.h>
 
@@ -29,8 +29,8 @@
 #include <map>
 #include <string>
 
-#include "kernels/engine/status.h"
-#include "kernels/engine/wait.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 
@@ -120,4 +120,4 @@ Status SplitHostPort(const std::string& address, std::string* host,
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_ENGINE_WIRE_H_
+#endif  // TF_RDMA_COMMON_WIRE_H_

@@ -14,8 +14,8 @@
 // mapping that another process writes. Sleeps are cut into slices of at most
 // 50 ms so that a dead peer (`check`) or the deadline ends the wait promptly
 // even if nobody ever wakes us.
-#ifndef TF_RDMA_ENGINE_WAIT_H_
-#define TF_RDMA_ENGINE_WAIT_H_
+#ifndef TF_RDMA_COMMON_WAIT_H_
+#define TF_RDMA_COMMON_WAIT_H_
 
 #include <algorithm>
 #include <atomic>
@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 
 namespace tf_rdma {
 
@@ -95,4 +95,4 @@ void PublishWord(std::atomic<uint64_t>* word, uint64_t value);
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_ENGINE_WAIT_H_
+#endif  // TF_RDMA_COMMON_WAIT_H_

@@ -1,7 +1,7 @@
 // Implementation of SHA-256 (FIPS 180-4, section 6.2) and HMAC-SHA256
 // (RFC 2104). See sha256.h.
 
-#include "kernels/engine/sha256.h"
+#include "kernels/common/sha256.h"
 
 #include <algorithm>
 #include <cstring>

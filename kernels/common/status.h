@@ -3,8 +3,8 @@
 // The engine and the transports know nothing about TensorFlow (design.md §2),
 // so they report errors with this type; the op layer maps each code to the
 // matching tensorflow::errors::* at the op boundary.
-#ifndef TF_RDMA_ENGINE_STATUS_H_
-#define TF_RDMA_ENGINE_STATUS_H_
+#ifndef TF_RDMA_COMMON_STATUS_H_
+#define TF_RDMA_COMMON_STATUS_H_
 
 #include <string>
 #include <utility>
@@ -77,4 +77,4 @@ Status ErrnoStatus(const std::string& what, int err);
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_ENGINE_STATUS_H_
+#endif  // TF_RDMA_COMMON_STATUS_H_

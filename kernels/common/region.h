@@ -26,15 +26,16 @@
 // name up (the collector removes it) and takes the next one. Only a holder
 // of a segment's lock removes its name, and the owner removes it before it
 // lets go of the lock. Each owned region keeps one fd open for the lock.
-#ifndef TF_RDMA_ENGINE_REGION_H_
-#define TF_RDMA_ENGINE_REGION_H_
+#ifndef TF_RDMA_COMMON_REGION_H_
+#define TF_RDMA_COMMON_REGION_H_
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "kernels/engine/status.h"
+#include "kernels/common/status.h"
 
 namespace tf_rdma {
 
@@ -83,11 +84,28 @@ class Region {
   bool unlinked_ = false;
 };
 
+// What a collection of stale segments did.
+struct StaleSegments {
+  std::vector<std::string> removed;  // their names in /dev/shm
+  uint64_t bytes = 0;                // their total size
+  // "<name>: <why>" for the segments that could not be looked at (no
+  // permission, ...). A name that is not a regular file (a directory, a
+  // link, a FIFO) is no segment: skipped, not an error.
+  std::vector<std::string> errors;
+};
+
 // Removes the tfrdma segments in /dev/shm whose owner process is gone (no
-// one holds their lock); returns how many, and their total bytes in
-// `bytes` (may be null). Segments of live processes are never touched.
+// one holds their lock): every such segment, or with `owner_pids` only those
+// named for one of these pids (a launcher cleaning up after its own
+// processes). Segments of live processes are never touched. The one
+// collector: the engine runs it when it starts and when a peer on this host
+// dies, the launcher (through tf_rdma/_native.py) when its processes exit.
+StaleSegments CollectStaleSegments(const std::vector<int64_t>& owner_pids = {});
+
+// CollectStaleSegments() for all owners: how many it removed, and their
+// total bytes in `bytes` (may be null).
 int RemoveStaleSegments(uint64_t* bytes);
 
 }  // namespace tf_rdma
 
-#endif  // TF_RDMA_ENGINE_REGION_H_
+#endif  // TF_RDMA_COMMON_REGION_H_

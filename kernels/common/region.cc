@@ -1,4 +1,4 @@
-#include "kernels/engine/region.h"
+#include "kernels/common/region.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -8,6 +8,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -168,14 +169,22 @@ Region::~Region() {
 
 namespace {
 
-// "tfrdma.<digits>.<digits>": a name Region::Create makes.
-bool IsSegmentName(const char* name) {
+// "tfrdma.<digits>.<digits>": a name Region::Create makes. Its owner's pid
+// (the first number) goes to `pid`, -1 if it is too large to be one.
+bool IsSegmentName(const char* name, int64_t* pid) {
+  constexpr int64_t kMaxPid = int64_t{1} << 40;
   const char* p = name;
   if (std::strncmp(p, "tfrdma.", 7) != 0) return false;
   p += 7;
+  *pid = 0;
   for (int part = 0; part < 2; ++part) {
     if (!std::isdigit(static_cast<unsigned char>(*p))) return false;
-    while (std::isdigit(static_cast<unsigned char>(*p))) ++p;
+    while (std::isdigit(static_cast<unsigned char>(*p))) {
+      if (part == 0 && *pid >= 0) {
+        *pid = *pid > kMaxPid ? -1 : *pid * 10 + (*p - '0');
+      }
+      ++p;
+    }
     if (part == 0 && *p++ != '.') return false;
   }
   return *p == '\0';
@@ -183,31 +192,54 @@ bool IsSegmentName(const char* name) {
 
 }  // namespace
 
-int RemoveStaleSegments(uint64_t* bytes) {
-  if (bytes != nullptr) *bytes = 0;
+StaleSegments CollectStaleSegments(const std::vector<int64_t>& owner_pids) {
+  StaleSegments out;
   DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return 0;
-  int removed = 0;
+  if (dir == nullptr) return out;
   while (struct dirent* entry = readdir(dir)) {
-    if (!IsSegmentName(entry->d_name)) continue;
+    int64_t pid = 0;
+    if (!IsSegmentName(entry->d_name, &pid)) continue;
+    if (!owner_pids.empty() &&
+        std::find(owner_pids.begin(), owner_pids.end(), pid) ==
+            owner_pids.end()) {
+      continue;
+    }
+    // Not a regular file (a directory, a link, a FIFO): no segment.
+    struct stat st;
+    if (fstatat(dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+      continue;
+    }
     std::string name = std::string("/") + entry->d_name;
     int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY,
                       0);
-    if (fd < 0) continue;  // gone meanwhile, or not ours to open
-    struct stat st;
+    if (fd < 0) {
+      // Gone meanwhile: nothing to do. Not ours to open: reported.
+      if (errno != ENOENT) {
+        out.errors.push_back(std::string(entry->d_name) + ": " +
+                             std::strerror(errno));
+      }
+      continue;
+    }
     // Locked exclusively: no owner holds it. Still linked: no other
     // collector removed it (and the name is not a newer segment's: only a
     // holder of this lock unlinks this one).
     if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
         flock(fd, LOCK_EX | LOCK_NB) == 0 && fstat(fd, &st) == 0 &&
         st.st_nlink > 0 && shm_unlink(name.c_str()) == 0) {
-      ++removed;
-      if (bytes != nullptr) *bytes += st.st_size;
+      out.removed.push_back(entry->d_name);
+      out.bytes += st.st_size;
     }
     close(fd);
   }
   closedir(dir);
-  return removed;
+  return out;
+}
+
+int RemoveStaleSegments(uint64_t* bytes) {
+  StaleSegments stale = CollectStaleSegments();
+  if (bytes != nullptr) *bytes = stale.bytes;
+  return static_cast<int>(stale.removed.size());
 }
 
 }  // namespace tf_rdma

@@ -1,4 +1,4 @@
-#include "kernels/engine/wire.h"
+#include "kernels/common/wire.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

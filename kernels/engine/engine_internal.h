@@ -1,0 +1,230 @@
+// The engine's internals, shared by the files that define its methods
+// (kernels/engine/*.cc, one per job; engine.h says what each does): the
+// state its threads share, the slot layout and step counting, and what more
+// than one of those files uses. The ops see engine.h only.
+#ifndef TF_RDMA_ENGINE_ENGINE_INTERNAL_H_
+#define TF_RDMA_ENGINE_ENGINE_INTERNAL_H_
+
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/common/region.h"
+#include "kernels/common/status.h"
+#include "kernels/common/wait.h"
+#include "kernels/common/wire.h"
+#include "kernels/engine/engine.h"
+#include "kernels/transport/transport.h"
+
+namespace tf_rdma {
+
+// ---------------------------------------------------------------------------
+// State shared by the threads of the engine.
+
+struct Connection {
+  int fd = -1;               // closed by the last holder (see CloseConnection)
+  std::string peer;          // the peer's task
+  std::string peer_address;  // where the socket goes, for messages
+  std::string incarnation;   // the peer process's id (see "Restarted peers")
+  bool dialed = false;       // true: we write data, the peer writes credits
+  std::unique_ptr<Pair> pair;
+  std::mutex send_mu;        // one frame at a time on fd
+
+  std::mutex mu;  // guards the fields below
+  std::condition_variable cv;
+  bool dead = false;
+  std::atomic<bool> gone{false};  // = dead, for lock-free checks
+  Code dead_code = Code::kUnavailable;
+  std::string dead_reason;
+  uint64_t next_request = 1;
+  std::set<uint64_t> outstanding;  // requests waiting for their reply
+  std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
+  std::set<uint32_t> peer_writable;  // our region ids this peer may write
+
+  ~Connection() {
+    pair.reset();
+    if (fd >= 0) close(fd);
+  }
+};
+
+struct LocalRegion {
+  uint32_t id = 0;
+  std::string name;       // plan region name (credit regions: name + "#credit")
+  std::string plan_hash;
+  std::string peer;       // data: the writer; credit: the reader
+  std::unique_ptr<Region> memory;
+  // Data regions: the writer's connection and its credit region there, set
+  // when the writer opens the region. Guarded by Engine::mu_.
+  std::shared_ptr<Connection> writer;
+  int credit_handle = -1;
+  // Why a writer's OPEN of this region was refused (plan mismatch, the
+  // writer restarted), so that the reader's waiting ops fail with the
+  // reason instead of a timeout; later OPENs are refused with it too.
+  std::string refusal;
+  bool opened = false;  // a writer opened it (Engine::mu_)
+};
+
+// A step that fails is given back (the next op on the slot retries the same
+// step, so a late peer loses nothing) when it is the newest claim. If later
+// steps were already claimed, the step order can no longer be kept: the slot
+// is then poisoned and every later op on it fails with the first error.
+struct StepCounter {
+  uint64_t claimed = 0;  // last step handed out
+  std::string poisoned;  // non-empty: why the slot can no longer be used
+};
+
+struct SendSlot {
+  SlotSpec spec;
+  std::mutex mu;
+  StepCounter steps;
+  // match_calls, under mu: per copy, the step last written into it and
+  // whether a send is writing it now (AcquireCopy).
+  std::vector<uint64_t> issued;
+  std::vector<char> busy;
+  // Set once by BindSendSlot (under mu), read lock-free after `bound`.
+  std::atomic<bool> bound{false};
+  std::shared_ptr<Connection> conn;
+  int data_handle = -1;
+  Region* credits = nullptr;
+  uint32_t credits_id = 0;  // the credit region's id here, for OPEN requests
+  // Dynamic slots: the current payload area (see kDynamicMetaBytes), under
+  // dynamic_mu.
+  std::mutex dynamic_mu;
+  uint64_t generation = 0;
+  uint64_t capacity = 0;
+  int payload_handle = -1;
+};
+
+// A peer's data region that this process writes into, and the credit region
+// here that the peer writes back into: opened with one OPEN request, shared by
+// every slot in it.
+struct SendRegion {
+  std::mutex mu;  // held while opening
+  std::string peer;  // the reader
+  // The credit region, created with the first OPEN and kept for retries
+  // and reconnections (one per region, however often OPEN is refused).
+  LocalRegion* credit_region = nullptr;
+  std::mutex state_mu;  // guards open, conn and refusal (also Engine::mu_)
+  bool open = false;
+  std::shared_ptr<Connection> conn;
+  // Non-empty: the reader restarted after this region was opened.
+  std::string refusal;
+  bool refusal_told = false;  // sent to the new reader (BindSendSlot)
+  int data_handle = -1;
+  Region* credits = nullptr;
+  uint32_t credits_id = 0;
+};
+
+struct RecvSlot {
+  SlotSpec spec;
+  std::mutex mu;
+  StepCounter steps;
+  // Inline polls in a row that missed their data, and polls (PollRecv).
+  std::atomic<int> poll_misses{0};
+  std::atomic<uint32_t> polls{0};
+  // match_calls, under mu (MatchRecv): per copy, the step last taken, and
+  // the step first seen untaken with when it was seen; the calls whose
+  // recv failed, whose copies are dropped when they land.
+  std::vector<uint64_t> taken;
+  std::vector<uint64_t> seen_step;
+  std::vector<Clock::time_point> seen_at;
+  std::deque<uint64_t> abandoned;
+  LocalRegion* region = nullptr;  // set at the first claim
+};
+
+constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
+// Regions one writer task's OPENs may create, over all its connections: each
+// holds a file descriptor, so at most a quarter of the process's descriptors,
+// and at most this many.
+constexpr int kMaxRegionsPerPeer = 1024;
+constexpr int kHandshakeTimeoutMs = 10000;
+
+// Steps (StepCounter).
+
+inline Status ClaimStep(StepCounter* steps, const SlotSpec& spec,
+                        uint64_t* step) {
+  if (!steps->poisoned.empty()) {
+    return FailedPrecondition("tensor '" + spec.tensor_name +
+                              "' cannot move any more: " + steps->poisoned);
+  }
+  *step = ++steps->claimed;
+  return Status::Ok();
+}
+
+// Called with the slot's mutex held, after step `step` failed with `why`.
+inline void GiveBackStep(StepCounter* steps, uint64_t step,
+                         const Status& why) {
+  if (steps->claimed == step) {
+    --steps->claimed;
+  } else if (steps->poisoned.empty()) {
+    steps->poisoned = "step " + std::to_string(step) +
+                      " failed while later steps were in flight (" +
+                      why.message() + ")";
+  }
+}
+
+// The slot layout (engine.h; graph_passes/plan.py).
+
+// The copy an in-order slot uses at `step` (steps count from 1).
+inline uint64_t CopyOf(const SlotSpec& spec, uint64_t step) {
+  return (step - 1) % static_cast<uint64_t>(spec.depth);
+}
+
+// Where copy `copy` of the slot starts in its region (its header).
+inline uint64_t CopyOffset(const SlotSpec& spec, uint64_t copy) {
+  return spec.offset + copy * spec.stride;
+}
+
+// The credit word of copy `copy` of the slot, in the writer's credit region.
+inline std::atomic<uint64_t>* CreditWord(Region* credits, const SlotSpec& spec,
+                                         uint64_t copy) {
+  uint64_t line = static_cast<uint64_t>(spec.credit_index) * spec.depth + copy;
+  return credits->Word(line * kCreditLineBytes);
+}
+
+// Slot specs (config.cc).
+
+// Where a slot is registered: its region and offset.
+std::string SlotKey(const SlotSpec& spec);
+// The error of an op that runs before the endpoint started.
+Status NotStarted();
+// Checks a new op's slot against the one already registered at its place:
+// two ops may share a slot only if they agree on its whole layout.
+Status CheckSameSlot(const SlotSpec& spec, const SlotSpec& existing);
+// Checks the slot of the first op at its place: it fits its regions, and its
+// peer is another task.
+Status CheckNewSlot(const SlotSpec& spec, const std::string& own_task);
+
+// OPEN requests and replies (regions.cc).
+
+// A region descriptor as fields of an OPEN request ("credit_" prefix: the
+// writer's credit region) or reply (no prefix: the data region).
+void EncodeDescriptor(const RegionDescriptor& d, const std::string& prefix,
+                      std::map<std::string, std::string>* fields);
+RegionDescriptor DecodeDescriptor(std::map<std::string, std::string>& fields,
+                                  const std::string& prefix);
+
+// `nbytes` random bytes as hex: nonces, incarnations (handshake.cc).
+std::string RandomHex(size_t nbytes);
+
+// The transport setting (engine.cc).
+
+// The transports a setting allows, in order of preference
+// (ParseTransportSetting; EngineConfig::Parse checked the setting, so an
+// unchecked bad one allows none).
+std::vector<std::string> TransportPreference(const std::string& setting);
+bool Contains(const std::vector<std::string>& list, const std::string& item);
+
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_ENGINE_ENGINE_INTERNAL_H_

@@ -1,0 +1,479 @@
+// Bootstrap handshake.
+//
+//   reader (accepts)                          writer (dials)
+//   "TFRDMA/2 CHALLENGE <nonce_r>"      ->
+//                                       <-  "HELLO <writer> <reader> <host id>
+//                                             <transports> <incarnation_w>
+//                                             <nonce_w> <proof_w>"
+//        proof_w = HMAC(secret, "hello|nonce_r|writer|reader|host id|
+//                                transports|incarnation_w|nonce_w")
+//   "WELCOME <transport> <incarnation_r> <proof_r>"  ->   (or "DENIED <why>")
+//        proof_r = HMAC(secret, "welcome|nonce_w|nonce_r|writer|reader|
+//                                transport|incarnation_r")
+//
+// Both sides prove knowledge of the job secret without sending it, over
+// fresh nonces, so a recorded handshake cannot be replayed; every field
+// either side acts on is inside a proof, so a party in the middle cannot
+// steer the transport or fake a restart. Until the writer's proof checks
+// out, the reader has created no state for it: a client with the wrong
+// secret gets nothing written, and is logged.
+//
+// The incarnation is a random id each engine draws when it starts: a peer
+// that comes back with another one is a new process in the old one's place
+// (see "Restarted peers").
+//
+// Unauthenticated clients are bounded: at most kMaxHandshakes handshakes run
+// at once (kMaxHandshakesPerSource from one address), each on its own thread
+// and within one deadline for the whole exchange, however slowly the client
+// trickles its bytes; connections beyond that are closed at once (a real
+// writer that meets a full endpoint dials again until its deadline). Failing
+// to start a thread (a pids limit) closes that connection, never the
+// process. Rejections are logged with the peer's bytes escaped and cut, at
+// most kLogBurst lines per kLogWindowMs and then one summary line.
+
+#include "kernels/engine/engine.h"
+
+#include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "kernels/common/sha256.h"
+#include "kernels/common/text.h"
+#include "kernels/common/transport_choice.h"
+#include "kernels/common/wire.h"
+#include "kernels/engine/engine_internal.h"
+
+namespace tf_rdma {
+
+namespace {
+
+constexpr size_t kMaxLine = 4096;
+
+std::string Proof(const std::string& secret, const std::string& message) {
+  Digest256 d = HmacSha256(secret.data(), secret.size(), message.data(),
+                           message.size());
+  return ToHex(d.data(), d.size());
+}
+
+bool SameProof(const std::string& a, const std::string& b) {
+  return a.size() == b.size() &&
+         ConstantTimeEqual(reinterpret_cast<const uint8_t*>(a.data()),
+                           reinterpret_cast<const uint8_t*>(b.data()),
+                           a.size());
+}
+
+}  // namespace
+
+std::string RandomHex(size_t nbytes) {
+  std::vector<uint8_t> buf(nbytes);
+  size_t got = 0;
+  while (got < nbytes) {
+    ssize_t n = getrandom(buf.data() + got, nbytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return ToHex(buf.data(), buf.size());
+}
+
+namespace {
+
+const char kHandshakeVersion[] = "TFRDMA/2";
+constexpr int kMaxHandshakes = 64;
+constexpr int kMaxHandshakesPerSource = 16;
+constexpr int kLogBurst = 20;
+constexpr int64_t kLogWindowMs = 10000;
+
+std::string HelloProof(const std::string& secret, const std::string& nonce_r,
+                       const std::vector<std::string>& f) {
+  // f: the HELLO line's fields, "HELLO" first, the proof last.
+  return Proof(secret, "hello|" + nonce_r + "|" + f[1] + "|" + f[2] + "|" +
+                           f[3] + "|" + f[4] + "|" + f[5] + "|" + f[6]);
+}
+
+std::string WelcomeProof(const std::string& secret, const std::string& nonce_w,
+                         const std::string& nonce_r, const std::string& writer,
+                         const std::string& reader,
+                         const std::string& transport,
+                         const std::string& incarnation) {
+  return Proof(secret, "welcome|" + nonce_w + "|" + nonce_r + "|" + writer +
+                           "|" + reader + "|" + transport + "|" + incarnation);
+}
+
+// "host" of "host:port" / "[v6]:port".
+std::string HostOf(const std::string& address) {
+  size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+void Engine::LogLimited(const std::string& raw) {
+  // Every caller escapes the peer's text it quotes; this is the backstop for
+  // text that reaches here through a status message (a field ParseOpenRequest
+  // quotes, say): no control or non-ASCII byte reaches the log, and no line
+  // is longer than kMaxLoggedChars.
+  constexpr size_t kMaxLoggedChars = 600;
+  std::string line;
+  size_t i = 0;
+  for (; i < raw.size() && line.size() < kMaxLoggedChars; ++i) {
+    unsigned char c = static_cast<unsigned char>(raw[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      line.push_back(static_cast<char>(c));
+    } else {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      line += esc;
+    }
+  }
+  if (i < raw.size()) line += "... (cut)";
+  std::lock_guard<std::mutex> lock(limited_mu_);
+  Clock::time_point now = Clock::now();
+  if (now - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
+    FlushLimitedLocked();
+    limited_window_ = now;
+    limited_count_ = 0;
+  }
+  if (limited_count_ < kLogBurst) {
+    ++limited_count_;
+    Log(line);
+  } else {
+    ++limited_suppressed_;
+    limited_last_ = line;
+  }
+}
+
+void Engine::FlushLimitedLocked() {
+  if (limited_suppressed_ == 0) return;
+  Log(std::to_string(limited_suppressed_) + " more rejected connection" +
+      (limited_suppressed_ == 1 ? "" : "s") + " in the last " +
+      std::to_string(kLogWindowMs / 1000) + " s (last: " + limited_last_ + ")");
+  limited_suppressed_ = 0;
+}
+
+void Engine::FlushLimitedLog() {
+  std::lock_guard<std::mutex> lock(limited_mu_);
+  if (Clock::now() - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
+    FlushLimitedLocked();
+  }
+}
+
+uint64_t Engine::refused_connections() const {
+  return refused_connections_.load();
+}
+
+void Engine::AcceptLoop() {
+  Clock::time_point fd_logged{};
+  while (!stopping_) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (stopping_) return;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: connections wait in the backlog meanwhile.
+        Clock::time_point now = Clock::now();
+        if (now - fd_logged > std::chrono::milliseconds(kLogWindowMs)) {
+          fd_logged = now;
+          struct rlimit lim;
+          getrlimit(RLIMIT_NOFILE, &lim);
+          Log(std::string("out of file descriptors (") +
+              (errno == EMFILE ? "this process's limit " +
+                                     std::to_string(lim.rlim_cur)
+                               : "the system's limit") +
+              "): new connections wait until some close; " +
+              std::to_string(handshakes_.load()) + " handshakes in progress");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    std::string from = PeerAddress(fd);
+    std::string source = HostOf(from);
+    std::string busy;
+    {
+      std::lock_guard<std::mutex> lock(handshake_mu_);
+      int& mine = handshakes_by_source_[source];
+      if (handshakes_ >= kMaxHandshakes) {
+        busy = std::to_string(kMaxHandshakes) + " handshakes in progress";
+      } else if (mine >= kMaxHandshakesPerSource) {
+        busy = std::to_string(mine) + " handshakes in progress from " + source;
+      } else {
+        ++handshakes_;
+        ++mine;
+      }
+      if (!busy.empty() && mine == 0) handshakes_by_source_.erase(source);
+    }
+    if (!busy.empty()) {
+      close(fd);
+      ++refused_connections_;
+      LogLimited("refused connection from " + from + ": " + busy +
+                 " (limit reached)");
+      continue;
+    }
+    try {
+      std::thread([this, fd, source] {
+        Handshake(fd);
+        EndHandshake(source);
+      }).detach();
+    } catch (const std::system_error& e) {
+      close(fd);
+      EndHandshake(source);
+      ++refused_connections_;
+      LogLimited("refused connection from " + from +
+                 ": cannot start a thread for it (" + e.what() +
+                 "; a pids limit?)");
+    }
+  }
+}
+
+void Engine::EndHandshake(const std::string& source) {
+  std::lock_guard<std::mutex> lock(handshake_mu_);
+  --handshakes_;
+  if (--handshakes_by_source_[source] <= 0) handshakes_by_source_.erase(source);
+}
+
+void Engine::Handshake(int fd) {
+  Deadline deadline(kHandshakeTimeoutMs);
+  TuneSocket(fd, kHandshakeTimeoutMs);
+  std::string from = PeerAddress(fd);
+  auto reject = [&](const std::string& log) {
+    ++refused_connections_;
+    LogLimited("rejected connection from " + from + ": " + log);
+    close(fd);
+  };
+  auto deny = [&](const std::string& reason, const std::string& log) {
+    std::string line = "DENIED " + reason + "\n";
+    SendAll(fd, line.data(), line.size(), deadline);
+    reject(log);
+  };
+  std::string nonce_r = RandomHex(32);
+  std::string challenge =
+      std::string(kHandshakeVersion) + " CHALLENGE " + nonce_r + "\n";
+  if (!SendAll(fd, challenge.data(), challenge.size(), deadline).ok()) {
+    close(fd);
+    return;
+  }
+  std::string line;
+  Status s = RecvLine(fd, &line, kMaxLine, deadline);
+  if (!s.ok()) {
+    reject("no HELLO (" + s.message() + ")");
+    return;
+  }
+  std::vector<std::string> f = Split(line, ' ');
+  if (f.size() != 8 || f[0] != "HELLO") {
+    deny("malformed HELLO (expected " + std::string(kHandshakeVersion) + ")",
+         "malformed HELLO '" + Printable(line) + "'");
+    return;
+  }
+  const std::string &writer = f[1], &reader = f[2], &host = f[3];
+  const std::string &incarnation = f[5], &nonce_w = f[6], &proof_w = f[7];
+  if (!SameProof(proof_w, HelloProof(config_.secret, nonce_r, f))) {
+    deny("secret proof does not match",
+         "peer claiming to be " + Printable(writer) +
+             " failed the secret proof (is TF_RDMA_SECRET the same on every "
+             "task?)");
+    return;
+  }
+  if (config_.peers.find(writer) == config_.peers.end()) {
+    deny(writer + " is not a task of this cluster",
+         "peer proved the secret but claims to be " + Printable(writer) +
+             ", which is not in this endpoint's cluster");
+    return;
+  }
+  if (reader != config_.task) {
+    deny("this endpoint is " + config_.task + ", not " + reader,
+         writer + " dialled " + Printable(reader) + " but reached " +
+             config_.task + " (check the endpoint addresses)");
+    return;
+  }
+  // The writer offers the transports it can use; its host id is
+  // "<boot id>/<network namespace>" (HostId).
+  PairEnd writer_end;
+  writer_end.task = writer;
+  writer_end.allowed = Split(f[4], ',');
+  writer_end.verbs = Contains(writer_end.allowed, "verbs") ? Verbs::kUsable
+                                                           : Verbs::kUnusable;
+  writer_end.identified = true;
+  size_t slash = host.find('/');
+  writer_end.boot_id = host.substr(0, slash);
+  writer_end.netns =
+      slash == std::string::npos ? "" : host.substr(slash + 1);
+  TransportChoice choice = ChooseTransport(ThisEnd(), writer_end);
+  const std::string& chosen = choice.transport;
+  if (chosen.empty()) {
+    deny(choice.reason, choice.reason);
+    return;
+  }
+  std::string welcome =
+      "WELCOME " + chosen + " " + incarnation_ + " " +
+      WelcomeProof(config_.secret, nonce_w, nonce_r, writer, config_.task,
+                   chosen, incarnation_) +
+      "\n";
+  if (!SendAll(fd, welcome.data(), welcome.size(), deadline).ok()) {
+    close(fd);
+    return;
+  }
+  auto conn = std::make_shared<Connection>();
+  conn->fd = fd;
+  conn->peer = writer;
+  conn->peer_address = from;
+  conn->incarnation = incarnation;
+  conn->dialed = false;
+  Status made = MakePair(chosen, false, conn, deadline);
+  if (!made.ok()) {
+    conn->fd = -1;  // closed by deny
+    deny(chosen + " set-up failed on " + config_.task + ": " + made.message(),
+         chosen + " set-up for " + writer + " failed: " + made.message());
+    return;
+  }
+  TuneSocket(fd, static_cast<int>(config_.timeout_ms));
+  Log(writer + " -> " + config_.task + " uses " + chosen);
+  NotePeerIncarnation(conn);
+  AddToProgress(conn);
+}
+
+Status Engine::Dial(const std::string& peer, const Deadline& deadline,
+                    std::shared_ptr<Connection>* out) {
+  auto it = config_.peers.find(peer);
+  if (it == config_.peers.end()) {
+    std::vector<std::string> known;
+    for (auto& kv : config_.peers) known.push_back(kv.first);
+    return InvalidArgument("unknown peer task '" + peer + "'; the cluster has " +
+                           (known.empty() ? "no other tasks"
+                                          : Join(known, ", ")));
+  }
+  std::string host;
+  int port;
+  TF_RDMA_RETURN_IF_ERROR(SplitHostPort(it->second, &host, &port));
+  int fd = -1;
+  std::string line;
+  auto fail = [&](Status s) {
+    close(fd);
+    return s.Prefixed("handshake with " + peer + " at " + it->second);
+  };
+  // An endpoint at its handshake limit closes new connections before its
+  // challenge: dial again (bounded by the deadline).
+  for (int backoff_ms = 10;; backoff_ms = std::min(backoff_ms * 2, 500)) {
+    TF_RDMA_RETURN_IF_ERROR(
+        ::tf_rdma::Dial(host, port, deadline, &fd)
+            .Prefixed("reaching the endpoint of " + peer + " at " +
+                      it->second));
+    TuneSocket(fd, kHandshakeTimeoutMs);
+    Status s = RecvLine(fd, &line, kMaxLine, deadline);
+    if (s.ok()) break;
+    if (s.code() != Code::kUnavailable || deadline.Expired()) return fail(s);
+    close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(
+        std::min<int64_t>(backoff_ms, deadline.RemainingMs() + 1)));
+  }
+  std::vector<std::string> f = Split(line, ' ');
+  if (f.size() != 3 || f[0] != kHandshakeVersion || f[1] != "CHALLENGE") {
+    return fail(Unavailable("not a tf_rdma " + std::string(kHandshakeVersion) +
+                            " endpoint (got '" + Printable(line, 60) + "')"));
+  }
+  const std::string nonce_r = f[2];
+  std::string nonce_w = RandomHex(32);
+  std::vector<std::string> hello = {
+      "HELLO", config_.task, peer, HostId(), Join(AllowedTransports(), ","),
+      incarnation_, nonce_w};
+  hello.push_back(HelloProof(config_.secret, nonce_r, hello));
+  std::string hello_line = Join(hello, " ") + "\n";
+  Status s = SendAll(fd, hello_line.data(), hello_line.size(), deadline);
+  if (!s.ok()) return fail(s);
+  s = RecvLine(fd, &line, kMaxLine, deadline);
+  if (!s.ok()) return fail(s);
+  if (line.rfind("DENIED ", 0) == 0) {
+    Code code = line.find("secret") != std::string::npos
+                    ? Code::kPermissionDenied
+                    : Code::kFailedPrecondition;
+    return fail(Status(code, "refused: " + Printable(line.substr(7), 400)));
+  }
+  f = Split(line, ' ');
+  if (f.size() != 4 || f[0] != "WELCOME" ||
+      !SameProof(f[3], WelcomeProof(config_.secret, nonce_w, nonce_r,
+                                    config_.task, peer, f[1], f[2]))) {
+    return fail(PermissionDenied(
+        "the peer did not prove knowledge of the job secret"));
+  }
+  auto conn = std::make_shared<Connection>();
+  conn->peer = peer;
+  conn->peer_address = it->second;
+  conn->incarnation = f[2];
+  conn->dialed = true;
+  if (!Contains(AllowedTransports(), f[1])) {
+    return fail(Unavailable("peer chose transport '" + Printable(f[1]) +
+                            "', which was not offered"));
+  }
+  conn->fd = fd;
+  s = MakePair(f[1], true, conn, deadline);
+  if (!s.ok()) {
+    conn->fd = -1;  // closed by fail
+    return fail(s);
+  }
+  TuneSocket(fd, static_cast<int>(config_.timeout_ms));
+  Log(config_.task + " -> " + peer + " uses " + f[1]);
+  NotePeerIncarnation(conn);
+  TF_RDMA_RETURN_IF_ERROR(AddToProgress(conn));
+  *out = conn;
+  return Status::Ok();
+}
+
+// The pair of the transport both ends chose, made by its backend (a set-up
+// exchange on the connection, verbs's queue pair addresses, is the
+// backend's: transport/verbs/factory.cc).
+Status Engine::MakePair(const std::string& transport, bool dialed,
+                        const std::shared_ptr<Connection>& conn,
+                        const Deadline& deadline) {
+  auto it = transports_.find(transport);
+  if (it == transports_.end()) {
+    return Unavailable("the " + transport + " transport is not open here");
+  }
+  PairSetup setup;
+  setup.fd = conn->fd;
+  setup.send_mu = &conn->send_mu;
+  setup.dialed = dialed;
+  setup.peer = conn->peer;
+  return it->second->NewPair(setup, deadline, &conn->pair);
+}
+
+Status Engine::GetConnection(const std::string& peer, const Deadline& deadline,
+                             std::shared_ptr<Connection>* out) {
+  std::mutex* dial_mu;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& m = dial_mu_[peer];
+    if (!m) m.reset(new std::mutex());
+    dial_mu = m.get();
+  }
+  std::lock_guard<std::mutex> dial_lock(*dial_mu);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = dialed_.find(peer);
+    if (it != dialed_.end()) {
+      // A lost connection is forgotten: the next op dials again (the peer
+      // may be back, or a new process in its place).
+      if (CheckPeerAlive(it->second, "").ok()) {
+        *out = it->second;
+        return Status::Ok();
+      }
+      dialed_.erase(it);
+    }
+  }
+  std::shared_ptr<Connection> conn;
+  TF_RDMA_RETURN_IF_ERROR(Dial(peer, deadline, &conn));
+  std::lock_guard<std::mutex> lock(mu_);
+  dialed_[peer] = conn;
+  *out = conn;
+  return Status::Ok();
+}
+
+}  // namespace tf_rdma

@@ -1,0 +1,227 @@
+// Recv: claiming a step, waiting for the data, handing it out, and
+// returning the credit.
+
+#include "kernels/engine/engine.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "kernels/engine/engine_internal.h"
+
+namespace tf_rdma {
+
+Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
+                         uint64_t call) {
+  if (!started_) return NotStarted();
+  RecvSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& entry = recv_slots_[SlotKey(spec)];
+    if (!entry) {
+      TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
+      LocalRegion* region = nullptr;
+      Status s = FindOrCreateDataRegion(spec.region, spec.region_bytes,
+                                        spec.plan_hash, spec.peer, &region);
+      if (!s.ok()) {
+        RefuseWriter(spec.region, s);
+        return s;
+      }
+      entry.reset(new RecvSlot());
+      entry->spec = spec;
+      entry->region = region;
+      if (spec.match_calls) {
+        entry->taken.assign(spec.depth, 0);
+        entry->seen_step.assign(spec.depth, 0);
+        entry->seen_at.assign(spec.depth, Clock::time_point{});
+      }
+    } else {
+      TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
+    }
+    slot = entry.get();
+  }
+  ticket->slot = slot;
+  ticket->call = call;
+  ticket->timeout_ms = TimeoutFor(spec);
+  if (spec.match_calls) return Status::Ok();  // the copy is found later
+  std::lock_guard<std::mutex> lock(slot->mu);
+  TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
+  ticket->copy = CopyOf(spec, ticket->step);
+  return Status::Ok();
+}
+
+bool Engine::TryRecvNow(RecvTicket* ticket) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  if (spec.match_calls) return MatchRecv(ticket, /*take=*/true);
+  uint64_t copy = CopyOffset(spec, ticket->copy);
+  Region* memory = slot->region->memory.get();
+  if (memory->Word(copy)->load(std::memory_order_acquire) < ticket->step) {
+    return false;
+  }
+  ticket->payload = memory->data() + copy + kSlotHeaderBytes;
+  return true;
+}
+
+bool Engine::PollRecv(RecvTicket* ticket) {
+  if (TryRecvNow(ticket)) return true;
+  // A slot whose data never lands within the poll (a recv that starts long
+  // before its sender, as in a chain of hops started by one call) would
+  // only hold TensorFlow's thread: after two misses in a row, poll only
+  // every 8th step, to notice when the pattern changes.
+  std::atomic<int>& misses = ticket->slot->poll_misses;
+  uint32_t poll = ticket->slot->polls.fetch_add(1, std::memory_order_relaxed);
+  if (misses.load(std::memory_order_relaxed) >= 2 && poll % 8 != 0) {
+    return false;
+  }
+  if (PollRecvFor(ticket)) {
+    misses.store(0, std::memory_order_relaxed);
+    return true;
+  }
+  misses.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+bool Engine::PollRecvFor(RecvTicket* ticket) {
+  Clock::time_point until =
+      Clock::now() + std::chrono::microseconds(config_.poll_us);
+  while (Clock::now() < until) {
+    for (int i = 0; i < 32; ++i) {
+      if (TryRecvNow(ticket)) return true;
+      CpuRelax();
+    }
+  }
+  return false;
+}
+
+Status Engine::FinishRecv(RecvTicket* ticket) {
+  Deadline deadline(ticket->timeout_ms);
+  while (!TryRecvNow(ticket)) {
+    Status s = RecvStep(ticket, deadline);
+    if (!s.ok()) {
+      GiveBackRecv(ticket, s);
+      return s;
+    }
+    if (!ticket->slot->spec.match_calls) return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
+  if (ticket->slot->spec.match_calls) {
+    Abandon(*ticket);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(ticket->slot->mu);
+  GiveBackStep(&ticket->slot->steps, ticket->step, why);
+}
+
+Status Engine::RecvCheck(RecvSlot* slot, const std::string& what) {
+  std::shared_ptr<Connection> writer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!slot->region->refusal.empty()) {
+      return FailedPrecondition(what + ": " + slot->region->refusal);
+    }
+    writer = slot->region->writer;
+  }
+  return CheckPeerAlive(writer, what);
+}
+
+Status Engine::RecvTimedOut(RecvSlot* slot, const std::string& what,
+                            const Status& timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return DeadlineExceeded(
+      what + ": " + timeout.message() + " waiting for the data" +
+      (slot->region->writer ? "" : " (the peer never connected)"));
+}
+
+Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  if (spec.match_calls) return WaitForMatch(ticket, deadline);
+  std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
+  uint64_t copy = CopyOffset(spec, ticket->copy);
+  Region* memory = slot->region->memory.get();
+  Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
+                         [&] { return RecvCheck(slot, what); });
+  if (!s.ok()) {
+    if (s.code() == Code::kDeadlineExceeded) {
+      return RecvTimedOut(slot, what, s);
+    }
+    return s;
+  }
+  ticket->payload = memory->data() + copy + kSlotHeaderBytes;
+  return Status::Ok();
+}
+
+Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
+  RecvSlot* slot = ticket->slot;
+  const SlotSpec& spec = slot->spec;
+  std::memcpy(meta, ticket->payload, sizeof(DynamicMeta));
+  std::string what = "tf_rdma recv of " +
+                     spec.Describe(spec.match_calls ? ticket->call
+                                                    : ticket->step);
+  if (meta->rank > static_cast<uint64_t>(kMaxDynamicRank)) {
+    return InvalidArgument(what + ": the sender wrote rank " +
+                           std::to_string(meta->rank) + ", more than " +
+                           std::to_string(kMaxDynamicRank));
+  }
+  if (meta->nbytes == 0) return Status::Ok();  // payload stays the meta
+  std::string name = spec.region + "#" + spec.tensor_name + "#" +
+                     std::to_string(meta->generation);
+  LocalRegion* area = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = data_regions_.find(name);
+    if (it != data_regions_.end()) area = it->second;
+  }
+  if (area == nullptr || area->peer != spec.peer ||
+      area->plan_hash != spec.plan_hash) {
+    return Internal(what + ": payload area '" + name +
+                    "' of the sender's generation " +
+                    std::to_string(meta->generation) +
+                    " was never opened by " + spec.peer);
+  }
+  uint64_t size = area->memory->size();
+  uint64_t capacity =
+      size > kDynamicHeaderBytes ? (size - kDynamicHeaderBytes) / spec.depth : 0;
+  if (meta->nbytes > capacity) {
+    return InvalidArgument(what + ": " + std::to_string(meta->nbytes) +
+                           " bytes do not fit the payload area '" + name +
+                           "' of " + std::to_string(capacity) +
+                           " bytes per copy");
+  }
+  ticket->payload =
+      area->memory->data() + kDynamicHeaderBytes + ticket->copy * capacity;
+  return Status::Ok();
+}
+
+void Engine::Release(const RecvTicket& ticket) {
+  RecvSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  std::shared_ptr<Connection> writer;
+  int handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer = slot->region->writer;
+    handle = slot->region->credit_handle;
+  }
+  if (!writer || stopping_) return;
+  uint64_t line =
+      static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
+  Status s = writer->pair->Write(handle, 0, nullptr, 0,
+                                 line * kCreditLineBytes, ticket.step,
+                                 Deadline(config_.timeout_ms));
+  if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
+  if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
+    Log("could not return the credit of " +
+        spec.Describe(spec.match_calls ? ticket.call : ticket.step) + ": " +
+        s.message());
+  }
+}
+
+}  // namespace tf_rdma

@@ -1,0 +1,243 @@
+// Regions: the engine's own regions, and the OPEN requests in which a
+// writer asks for its region here.
+
+#include "kernels/engine/engine.h"
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "kernels/common/text.h"
+#include "kernels/common/wire.h"
+#include "kernels/engine/engine_internal.h"
+
+namespace tf_rdma {
+
+void EncodeDescriptor(const RegionDescriptor& d, const std::string& prefix,
+                      std::map<std::string, std::string>* fields) {
+  (*fields)[prefix + "id"] = std::to_string(d.id);
+  (*fields)[prefix + "size"] = std::to_string(d.size);
+  (*fields)[prefix + "shm"] = d.shm_name;
+  if (d.remote_addr != 0) {
+    (*fields)[prefix + "addr"] = std::to_string(d.remote_addr);
+    (*fields)[prefix + "rkey"] = std::to_string(d.rkey);
+  }
+}
+
+RegionDescriptor DecodeDescriptor(std::map<std::string, std::string>& fields,
+                                  const std::string& prefix) {
+  RegionDescriptor d;
+  uint64_t id = 0, rkey = 0;
+  ParseUint(fields[prefix + "id"], &id);
+  ParseUint(fields[prefix + "size"], &d.size);
+  d.shm_name = fields[prefix + "shm"];
+  ParseUint(fields[prefix + "addr"], &d.remote_addr);
+  ParseUint(fields[prefix + "rkey"], &rkey);
+  d.id = static_cast<uint32_t>(id);
+  d.rkey = static_cast<uint32_t>(rkey);
+  return d;
+}
+
+Status Engine::NewLocalRegion(const std::string& name, uint64_t size,
+                              const std::string& plan_hash,
+                              const std::string& peer, LocalRegion** out) {
+  // Caller holds mu_.
+  std::unique_ptr<Region> memory;
+  TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory).Prefixed(
+      "region '" + Printable(name) + "' for " + peer));
+  auto region = std::make_unique<LocalRegion>();
+  region->id = static_cast<uint32_t>(regions_.size());
+  region->name = name;
+  region->plan_hash = plan_hash;
+  region->peer = peer;
+  region->memory = std::move(memory);
+  *out = region.get();
+  regions_.push_back(std::move(region));
+  return Status::Ok();
+}
+
+Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
+                                      const std::string& plan_hash,
+                                      const std::string& writer,
+                                      LocalRegion** out) {
+  // Caller holds mu_.
+  auto it = data_regions_.find(name);
+  if (it != data_regions_.end()) {
+    LocalRegion* r = it->second;
+    Status mismatch;
+    if (r->plan_hash != plan_hash) {
+      // The name and hash may come from a peer's OPEN: escaped and cut
+      // (they end up in the log and in refusals).
+      mismatch = FailedPrecondition(
+          "plan hash mismatch for region '" + Printable(name) +
+          "': one side has plan " + Printable(r->plan_hash, 64) +
+          ", the other has plan " + Printable(plan_hash, 64) +
+          " (both tasks must run the same plan)");
+    } else if (r->memory->size() != size || r->peer != writer) {
+      mismatch = FailedPrecondition(
+          "region '" + Printable(name) + "' was set up with " +
+          std::to_string(r->memory->size()) + " bytes written by " + r->peer +
+          ", now asked for " + std::to_string(size) + " bytes written by " +
+          writer);
+    }
+    if (!mismatch.ok()) {
+      // The region's own writer and reader disagree for good: ops already
+      // waiting on it fail with this reason instead of timing out. (Another
+      // task asking for it is only refused; it cannot spoil the region.)
+      if (r->peer == writer) r->refusal = mismatch.message();
+      return mismatch;
+    }
+    *out = r;
+    return Status::Ok();
+  }
+  TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(name, size, plan_hash, writer, out));
+  data_regions_[name] = *out;
+  return Status::Ok();
+}
+
+Region* Engine::RegionForPeer(const Connection& conn, uint32_t id) {
+  {
+    std::lock_guard<std::mutex> lock(const_cast<Connection&>(conn).mu);
+    if (!conn.peer_writable.count(id)) return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return id < regions_.size() ? regions_[id]->memory.get() : nullptr;
+}
+
+namespace {
+
+// Region names tf_rdma generates carry the writer and the reader: a plan's
+// "<plan>/<writer>-><reader>", a collective's "coll:<instance>:<writer>>
+// <reader>", and their dynamic payload areas "<region>#<tensor>#<n>". A
+// writer may open only names of these forms that name itself and this
+// reader (other names come from raw ops and belong to their first writer).
+bool NameBelongsTo(const std::string& name, const std::string& writer,
+                   const std::string& reader) {
+  // The pair's part ends the name, or is followed by a payload area's '#'.
+  auto names = [&](const std::string& pair) {
+    size_t at = name.rfind(pair);
+    while (at != std::string::npos) {
+      size_t end = at + pair.size();
+      if (end == name.size() || name[end] == '#') return true;
+      at = at == 0 ? std::string::npos : name.rfind(pair, at - 1);
+    }
+    return false;
+  };
+  if (name.rfind("coll:", 0) == 0) return names(":" + writer + ">" + reader);
+  if (name.find("->") != std::string::npos) {
+    return names("/" + writer + "->" + reader);
+  }
+  return true;
+}
+
+}  // namespace
+
+// OPEN: a writer asks for its region here. Bounded on purpose, since the
+// writer chooses the name and the size: the name must be its own (above);
+// each writer task may create at most kMaxRegionsPerPeer regions; the size
+// is reserved in /dev/shm when the region is created (Region::Create), so
+// asking for more than there is fails with an error instead of a SIGBUS
+// later; and a region keeps the writer that first opened it (a second live
+// writer is refused; a writer whose connection was lost is replaced).
+void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
+                        uint64_t request_id, const std::string& body) {
+  OpenRequest request;
+  Status s = ParseOpenRequest(body, &request).Prefixed(
+      "malformed OPEN request from " + conn->peer);
+  std::map<std::string, std::string>& f = request.fields;
+  const std::string& name = request.name;
+  uint64_t size = request.size;
+  std::map<std::string, std::string> reply;
+  if (s.ok() && conn->dialed) {
+    s = FailedPrecondition("OPEN request on a connection we dialled");
+  }
+  if (s.ok() && !NameBelongsTo(name, conn->peer, config_.task)) {
+    s = PermissionDenied("region '" + Printable(name) + "' belongs to another "
+                         "pair of tasks than " + conn->peer + " -> " +
+                         config_.task);
+  }
+  LocalRegion* region = nullptr;
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool exists = data_regions_.count(name) > 0;
+    // Counted per writer task, not per connection: regions outlive their
+    // connection, so a count that restarted with each connection let a
+    // peer that reconnects create regions (fds, /dev/shm) without end.
+    int& created = regions_opened_by_[conn->peer];
+    if (!exists && created >= max_regions_per_peer_) {
+      s = FailedPrecondition(
+          conn->peer + " has already opened " + std::to_string(created) +
+          " regions on this endpoint, the most allowed (a quarter of the "
+          "process's file descriptor limit, at most " +
+          std::to_string(kMaxRegionsPerPeer) + ")");
+    }
+    if (s.ok()) {
+      s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
+                                 &region);
+    }
+    if (s.ok() && !exists) ++created;
+    // The writer refuses to go on with this region (it saw this process
+    // restart; see "Restarted peers"): ops waiting on it fail with why.
+    if (s.ok() && !request.refusal.empty() && region->refusal.empty()) {
+      region->refusal = Printable(request.refusal, 1000);
+    }
+    if (s.ok() && !region->refusal.empty()) {
+      s = FailedPrecondition(region->refusal);
+    }
+    if (s.ok() && region->writer && region->writer != conn &&
+        !region->writer->gone.load()) {
+      s = FailedPrecondition("region '" + Printable(name) +
+                             "' already has a connected writer");
+    }
+    if (s.ok() && region->writer != conn) {
+      RegionDescriptor credits = DecodeDescriptor(f, "credit_");
+      credits.id = request.credit_id;
+      credits.size = request.credit_size;
+      int handle = -1;
+      s = conn->pair->AddRemoteRegion(credits, &handle);
+      if (s.ok()) {
+        region->writer = conn;
+        region->credit_handle = handle;
+        region->opened = true;
+      }
+    }
+  }
+  // Outside mu_: verbs registers the region here (pins it, once), which
+  // takes a while for a large one.
+  RegionDescriptor exposed;
+  if (s.ok()) s = conn->pair->Expose(region->id, *region->memory, &exposed);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> cl(conn->mu);
+    conn->peer_writable.insert(region->id);
+    EncodeDescriptor(exposed, "", &reply);
+  }
+  FrameHeader h;
+  h.type = kOpenReply;
+  h.a = request_id;
+  std::string rbody = s.ok() ? EncodeFields(reply) : s.message();
+  h.b = rbody.size();
+  h.c = static_cast<uint64_t>(s.code());
+  if (!s.ok()) {
+    LogLimited("refused region for " + conn->peer + ": " + s.message());
+  }
+  Status sent = SendFrame(conn, h, rbody, Deadline(config_.timeout_ms));
+  if (!sent.ok()) CloseConnection(conn, sent);
+}
+
+void Engine::RefuseWriter(const std::string& region_name, const Status& why) {
+  // Caller holds mu_. The writer already opened the region with another
+  // plan: tell it why its data is refused, then drop it (on an engine
+  // thread: the send may wait up to its deadline, not under mu_).
+  auto it = data_regions_.find(region_name);
+  if (it == data_regions_.end() || !it->second->writer) return;
+  std::shared_ptr<Connection> writer = it->second->writer;
+  Schedule([this, writer, why] {
+    FrameHeader h;
+    h.type = kError;
+    h.b = why.message().size();
+    SendFrame(writer, h, why.message(), Deadline(kHandshakeTimeoutMs));
+    CloseConnection(writer, why);
+  });
+}
+
+}  // namespace tf_rdma

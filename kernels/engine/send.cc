@@ -1,0 +1,383 @@
+// Send: claiming a step, binding the slot to its peer and its region there,
+// waiting for the credit, and the write.
+
+#include "kernels/engine/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "kernels/engine/engine_internal.h"
+
+namespace tf_rdma {
+
+namespace {
+
+// How long a send whose connection was lost tries to dial the peer again.
+constexpr int64_t kRedialMs = 1000;
+
+}  // namespace
+
+Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
+                         uint64_t call) {
+  if (!started_) return NotStarted();
+  SendSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& entry = send_slots_[SlotKey(spec)];
+    if (!entry) {
+      TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
+      entry.reset(new SendSlot());
+      entry->spec = spec;
+      if (spec.match_calls) {
+        entry->issued.assign(spec.depth, 0);
+        entry->busy.assign(spec.depth, 0);
+      }
+    } else {
+      TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
+    }
+    slot = entry.get();
+  }
+  ticket->slot = slot;
+  ticket->call = call;
+  ticket->timeout_ms = TimeoutFor(spec);
+  if (spec.match_calls) return Status::Ok();  // the copy is chosen later
+  std::lock_guard<std::mutex> lock(slot->mu);
+  TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
+  ticket->copy = CopyOf(spec, ticket->step);
+  return Status::Ok();
+}
+
+Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
+                            SendBinding* out) {
+  std::lock_guard<std::mutex> lock(slot->mu);
+  const SlotSpec& spec = slot->spec;
+  Status lost;
+  if (slot->bound) {
+    if (!slot->conn->gone.load(std::memory_order_acquire)) {
+      *out = SendBinding{slot->conn, slot->data_handle};
+      return Status::Ok();
+    }
+    // The connection was lost. Dial again, briefly: the peer may be back
+    // (or restarted, see "Restarted peers"); a peer that is gone fails the
+    // op within kRedialMs with why, not at its timeout.
+    lost = CheckPeerAlive(slot->conn, "");
+    if (lost.ok()) lost = Unavailable("the connection to " + spec.peer +
+                                      " was lost");
+    slot->bound = false;
+  }
+  std::shared_ptr<Connection> conn;
+  Status dialed = GetConnection(
+      spec.peer,
+      lost.ok() ? deadline
+                : Deadline(std::min<int64_t>(kRedialMs, deadline.RemainingMs())),
+      &conn);
+  if (!dialed.ok()) {
+    return lost.ok() ? dialed
+                     : Status(lost.code(), lost.message() +
+                                               "; dialling it again: " +
+                                               dialed.message());
+  }
+  // Several slots share a region; whichever binds first opens it, the others
+  // wait for it here and then share its connection, handle and credits.
+  SendRegion* region;
+  {
+    std::lock_guard<std::mutex> elock(mu_);
+    auto& entry = send_regions_[spec.region];
+    if (entry == nullptr) {
+      entry.reset(new SendRegion);
+      entry->peer = spec.peer;
+    }
+    region = entry.get();
+  }
+  std::lock_guard<std::mutex> rlock(region->mu);
+  bool open;
+  std::string refusal;
+  bool tell = false;
+  {
+    std::lock_guard<std::mutex> sl(region->state_mu);
+    refusal = region->refusal;
+    tell = !refusal.empty() && !region->refusal_told;
+    if (tell) region->refusal_told = true;
+    open = region->open && region->conn == conn;
+  }
+  if (!refusal.empty()) {
+    // The reader restarted: tell the new process too, so that its recvs
+    // fail now with the reason rather than wait for data that never comes.
+    if (tell && region->credit_region != nullptr) {
+      int ignored = -1;
+      OpenRemoteRegion(conn, spec.region, spec.region_bytes, spec.plan_hash,
+                       region->credit_region->id,
+                       *region->credit_region->memory, deadline, &ignored,
+                       refusal);
+    }
+    return FailedPrecondition(refusal);
+  }
+  if (!open) {
+    TF_RDMA_RETURN_IF_ERROR(OpenSendRegion(spec, conn, deadline, region));
+  }
+  {
+    std::lock_guard<std::mutex> dl(slot->dynamic_mu);
+    // A dynamic slot's payload area was opened through the old connection:
+    // the next tensor opens a new generation through this one.
+    if (slot->conn != region->conn) slot->capacity = 0;
+  }
+  slot->conn = region->conn;
+  slot->data_handle = region->data_handle;
+  slot->credits = region->credits;
+  slot->credits_id = region->credits_id;
+  slot->bound = true;
+  *out = SendBinding{slot->conn, slot->data_handle};
+  return Status::Ok();
+}
+
+// Asks the peer to set up (or find) its region `name` of `size` bytes that
+// this process will write, telling it where our credit region is; returns
+// the transport handle of the peer's region.
+Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
+                                const std::string& name, uint64_t size,
+                                const std::string& plan_hash,
+                                uint32_t credits_id, const Region& credits,
+                                const Deadline& deadline, int* handle,
+                                const std::string& refusal) {
+  RegionDescriptor exposed;
+  TF_RDMA_RETURN_IF_ERROR(conn->pair->Expose(credits_id, credits, &exposed));
+  std::map<std::string, std::string> request = {
+      {"name", name}, {"size", std::to_string(size)}, {"plan_hash", plan_hash}};
+  if (!refusal.empty()) request["refusal"] = refusal;
+  EncodeDescriptor(exposed, "credit_", &request);
+  std::map<std::string, std::string> reply;
+  TF_RDMA_RETURN_IF_ERROR(Request(conn, request, deadline, &reply));
+  return conn->pair->AddRemoteRegion(DecodeDescriptor(reply, ""), handle);
+}
+
+Status Engine::OpenSendRegion(const SlotSpec& spec,
+                              const std::shared_ptr<Connection>& conn,
+                              const Deadline& deadline, SendRegion* region) {
+  // Caller holds region->mu.
+  if (region->credit_region == nullptr) {
+    std::lock_guard<std::mutex> elock(mu_);
+    TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(spec.region + "#credit",
+                                           spec.credit_bytes, spec.plan_hash,
+                                           spec.peer,
+                                           &region->credit_region));
+  }
+  LocalRegion* credits = region->credit_region;
+  {
+    std::lock_guard<std::mutex> cl(conn->mu);
+    conn->peer_writable.insert(credits->id);
+  }
+  int data_handle = -1;
+  TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
+      conn, spec.region, spec.region_bytes, spec.plan_hash, credits->id,
+      *credits->memory, deadline, &data_handle));
+  std::lock_guard<std::mutex> elock(mu_);
+  std::lock_guard<std::mutex> sl(region->state_mu);
+  if (!region->refusal.empty()) return FailedPrecondition(region->refusal);
+  region->conn = conn;
+  region->data_handle = data_handle;
+  region->credits = credits->memory.get();
+  region->credits_id = credits->id;
+  region->open = true;
+  return Status::Ok();
+}
+
+namespace {
+
+// The credit value that frees the copy for `step`.
+uint64_t CreditNeeded(const SlotSpec& spec, uint64_t step) {
+  return step > static_cast<uint64_t>(spec.depth) ? step - spec.depth : 0;
+}
+
+}  // namespace
+
+bool Engine::SendProgress(const SlotSpec& spec, uint64_t* written,
+                          uint64_t* released) {
+  SendSlot* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = send_slots_.find(SlotKey(spec));
+    if (it == send_slots_.end()) return false;
+    slot = it->second.get();
+  }
+  std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->credits == nullptr) return false;
+  *written = slot->steps.claimed;
+  *released = 0;
+  for (int64_t c = 0; c < slot->spec.depth; ++c) {
+    *released = std::max<uint64_t>(
+        *released, CreditWord(slot->credits, slot->spec, c)
+                       ->load(std::memory_order_acquire));
+  }
+  return true;
+}
+
+// True if the slot is connected and the copy for the ticket's step is free.
+bool Engine::CreditReady(const SendTicket& ticket) const {
+  SendSlot* slot = ticket.slot;
+  if (!slot->bound.load(std::memory_order_acquire)) return false;
+  const SlotSpec& spec = slot->spec;
+  if (spec.match_calls) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    for (int64_t c = 0; c < spec.depth; ++c) {
+      if (!slot->busy[c] &&
+          CreditWord(slot->credits, spec, c)->load(std::memory_order_acquire) >=
+              slot->issued[c]) {
+        return true;
+      }
+    }
+    return false;
+  }
+  return CreditWord(slot->credits, spec, ticket.copy)
+             ->load(std::memory_order_acquire) >=
+         CreditNeeded(spec, ticket.step);
+}
+
+bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
+                        Status* status) {
+  if (!CreditReady(ticket)) return false;
+  *status = FinishSend(ticket, data);
+  return true;
+}
+
+bool Engine::TrySendDynamicNow(const SendTicket& ticket, const void* data,
+                               const DynamicMeta& meta, Status* status) {
+  if (!CreditReady(ticket)) return false;
+  *status = FinishSendDynamic(ticket, data, meta);
+  return true;
+}
+
+Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
+  Status s = SendStep(ticket, data, nullptr);
+  if (!s.ok() && !ticket.slot->spec.match_calls) {
+    std::lock_guard<std::mutex> lock(ticket.slot->mu);
+    GiveBackStep(&ticket.slot->steps, ticket.step, s);
+  }
+  return s;
+}
+
+Status Engine::FinishSendDynamic(const SendTicket& ticket, const void* data,
+                                 const DynamicMeta& meta) {
+  Status s = SendStep(ticket, data, &meta);
+  if (!s.ok() && !ticket.slot->spec.match_calls) {
+    std::lock_guard<std::mutex> lock(ticket.slot->mu);
+    GiveBackStep(&ticket.slot->steps, ticket.step, s);
+  }
+  return s;
+}
+
+// Writes a dynamic step's bytes into the current payload area, opening a
+// larger one first if they do not fit, and records its generation in meta.
+Status Engine::WriteDynamicPayload(const SendTicket& ticket,
+                                   const SendBinding& binding,
+                                   const void* data, DynamicMeta* meta,
+                                   const Deadline& deadline) {
+  SendSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  if (meta->nbytes == 0) {
+    meta->generation = 0;
+    return Status::Ok();
+  }
+  uint64_t generation, capacity;
+  int handle;
+  {
+    std::lock_guard<std::mutex> lock(slot->dynamic_mu);
+    if (meta->nbytes > slot->capacity) {
+      uint64_t wanted = std::max<uint64_t>(kPageBytes, 2 * slot->capacity);
+      while (wanted < meta->nbytes) wanted *= 2;
+      uint64_t size = kDynamicHeaderBytes + wanted * spec.depth;
+      std::string name = spec.region + "#" + spec.tensor_name + "#" +
+                         std::to_string(slot->generation + 1);
+      int new_handle = -1;
+      TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
+          binding.conn, name, size, spec.plan_hash, slot->credits_id,
+          *slot->credits, deadline, &new_handle));
+      slot->generation += 1;
+      slot->capacity = wanted;
+      slot->payload_handle = new_handle;
+    }
+    generation = slot->generation;
+    capacity = slot->capacity;
+    handle = slot->payload_handle;
+  }
+  uint64_t copy = ticket.copy;
+  meta->generation = generation;
+  return binding.conn->pair->Write(
+      handle, kDynamicHeaderBytes + copy * capacity, data, meta->nbytes,
+      copy * kCreditLineBytes, ticket.step, deadline);
+}
+
+Status Engine::SendStep(SendTicket ticket, const void* data,
+                        const DynamicMeta* dynamic) {
+  SendSlot* slot = ticket.slot;
+  const SlotSpec& spec = slot->spec;
+  std::string what = "tf_rdma send of " +
+                     spec.Describe(spec.match_calls ? ticket.call : ticket.step);
+  Deadline deadline(ticket.timeout_ms);
+  SendBinding bound;
+  Status s = BindSendSlot(slot, deadline, &bound);
+  const std::shared_ptr<Connection>& conn = bound.conn;
+  if (!s.ok()) {
+    return s.code() == Code::kDeadlineExceeded
+               ? DeadlineExceeded(what + ": " + s.message())
+               : s.Prefixed(what);
+  }
+  if (spec.match_calls) {
+    TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, conn, deadline, what));
+    // The call's id first, then the data and the step's notice: a reader
+    // that sees the notice sees the id (writes on a pair apply in order).
+    s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
+                          CopyOffset(spec, ticket.copy) + kCallWordOffset,
+                          ticket.call, deadline);
+  } else {
+    s = WaitForWord(CreditWord(slot->credits, spec, ticket.copy),
+                    CreditNeeded(spec, ticket.step), deadline,
+                    [&] { return CheckPeerAlive(conn, what); });
+  }
+  if (!s.ok() && !spec.match_calls) {
+    if (s.code() == Code::kDeadlineExceeded) {
+      return DeadlineExceeded(
+          what + ": " + s.message() + " waiting for the receiver to release "
+          "the slot it used at step " +
+          std::to_string(CreditNeeded(spec, ticket.step)));
+    }
+    return s;
+  }
+  DynamicMeta meta;
+  if (dynamic != nullptr) {
+    // The payload first, then the meta with the step's notice: the reader
+    // sees the notice only after the bytes it describes (same connection,
+    // writes applied in order).
+    meta = *dynamic;
+    if (s.ok()) s = WriteDynamicPayload(ticket, bound, data, &meta, deadline);
+    data = &meta;
+  }
+  uint64_t copy = CopyOffset(spec, ticket.copy);
+  if (s.ok()) {
+    uint64_t nbytes = spec.nbytes;
+    if (dynamic == nullptr && ticket.nbytes != 0 && ticket.nbytes < nbytes) {
+      nbytes = ticket.nbytes;
+    }
+    s = conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes, data,
+                          nbytes, copy, ticket.step, deadline);
+  }
+  if (spec.match_calls) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    if (s.ok()) slot->issued[ticket.copy] = ticket.step;
+    slot->busy[ticket.copy] = 0;
+  }
+  if (!s.ok()) {
+    if (conn->pair->broken()) CloseConnection(conn, s);
+    if (s.code() == Code::kDeadlineExceeded) {
+      return DeadlineExceeded(what + ": " + s.message());
+    }
+    Status alive = CheckPeerAlive(conn, what);
+    return alive.ok() ? s.Prefixed(what) : alive;
+  }
+  return Status::Ok();
+}
+
+}  // namespace tf_rdma

@@ -1,0 +1,18 @@
+// Opens the tcp backend (transport/factory.h is the registry).
+#ifndef TF_RDMA_TRANSPORT_TCP_FACTORY_H_
+#define TF_RDMA_TRANSPORT_TCP_FACTORY_H_
+
+#include <memory>
+
+#include "kernels/transport/factory.h"
+
+namespace tf_rdma {
+namespace tcp {
+
+Status OpenTransport(const TransportOptions& options,
+                     std::unique_ptr<Transport>* out);
+
+}  // namespace tcp
+}  // namespace tf_rdma
+
+#endif  // TF_RDMA_TRANSPORT_TCP_FACTORY_H_
