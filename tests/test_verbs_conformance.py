@@ -8,7 +8,7 @@ suite shows that the emulator is honest, or exactly where it is not.
 One test per semantic, each in real processes with a hard timeout:
 devices/ports/GIDs/limits, memory registration, the RC state machine,
 inline data, unsignaled WRs and a full send queue, completion channels with
-epoll, WRITE-before-SEND ordering across processes, remote access errors
+epoll, a payload read when the WR executes (not when posted), WRITE-before-SEND ordering across processes, remote access errors
 (wrong rkey, out of range, no REMOTE_WRITE), RNR, a dead peer. The tests of
 softnic's fault knobs (TF_RDMA_SOFTNIC_*) and of its IB mode run only on the
 emulator.
@@ -275,6 +275,14 @@ def test_knob_delay(env):
                        target_env={"TF_RDMA_SOFTNIC_DELAY_US": "25000"}).check()
     # Each round is a WRITE and a SEND, each held 25 ms by the responder.
     assert float(initiator["seconds"]) >= 4 * 2 * 0.025 * 0.9, initiator
+
+
+@emulator_only
+def test_knob_send_delay_reads_the_payload_late(env):
+    # The payload is read when the WR executes, not when it is posted: a
+    # buffer changed before the completion goes out changed.
+    facts = run_check(dict(env, TF_RDMA_SOFTNIC_SEND_DELAY_US="20000"), "late_read")
+    assert facts["placed"] == "late", facts
 
 
 @emulator_only

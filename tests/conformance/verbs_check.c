@@ -590,6 +590,29 @@ static void check_unsignaled(void) {
   fact("send_queue_depth=%u", depth);
 }
 
+/* Which bytes a WRITE carries when its source changes after the post and
+ * before the completion: the NIC reads the payload some time after the
+ * doorbell, so ibv_post_send(3) forbids touching it until the completion.
+ * On hardware the answer is a race; softnic's TF_RDMA_SOFTNIC_SEND_DELAY_US
+ * makes it deterministic ("late"), which is how it catches senders that
+ * reuse buffers early. */
+static void check_late_read(void) {
+  struct dev d;
+  open_dev(&d);
+  struct pair p;
+  loopback(&d, &p, 16, 1, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  char* buf = pages(1 << 16);
+  struct ibv_mr* mr = ibv_reg_mr(d.pd, buf, 1 << 16, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  EXPECT(mr != NULL, "ibv_reg_mr");
+  memset(buf, 'a', 4096);
+  EXPECT(post_write(p.a, 1, buf, 4096, mr->lkey, (uintptr_t)buf + 8192, mr->rkey, IBV_SEND_SIGNALED) == 0,
+         "post");
+  memset(buf, 'b', 4096); /* what ibv_post_send(3) forbids */
+  struct ibv_wc wc = wait_wc(p.scq, 5, "write");
+  EXPECT(wc.status == IBV_WC_SUCCESS, "write: %s", ibv_wc_status_str(wc.status));
+  fact("placed=%s", buf[8192] == 'b' ? "late" : "early");
+}
+
 /* Completion channel: the fd works with epoll, one event per arming. */
 static void check_channel(void) {
   struct dev d;
@@ -920,7 +943,7 @@ int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 2) {
     fprintf(stderr,
-            "usage: verbs_check device|mr|qp_state|inline|unsignaled|channel\n"
+            "usage: verbs_check device|mr|qp_state|inline|unsignaled|channel|late_read\n"
             "       verbs_check write_send|remote_access|rnr|dead_peer target|initiator [key=value ...]\n");
     return 2;
   }
@@ -932,6 +955,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(check, "inline")) check_inline();
   else if (!strcmp(check, "unsignaled")) check_unsignaled();
   else if (!strcmp(check, "channel")) check_channel();
+  else if (!strcmp(check, "late_read")) check_late_read();
   else if (!strcmp(check, "write_send")) check_write_send(role);
   else if (!strcmp(check, "remote_access")) check_remote_access(role);
   else if (!strcmp(check, "rnr")) check_rnr(role);

@@ -214,7 +214,7 @@ class Link {
   const int fd;
   const uint64_t id;
   const uint32_t qpn;
-  bool hello_sent = false;  // under the QP's send_mu
+  bool hello_sent = false;  // the QP's send engine only
   // Progress thread only: a response split across reads.
   uint8_t partial[sizeof(WireResponse)];
   size_t partial_len = 0;
@@ -268,6 +268,11 @@ class Fabric {
     int64_t rnr_interval_ns = 0;
     uint8_t syndrome = kAck;     // kRespond
     bool close_after = false;
+    // A responder-side error, applied after the NAK is sent (a NIC NAKs
+    // at once; its host learns of the error later).
+    bool responder_error = false;
+    ibv_event_type event = IBV_EVENT_QP_FATAL;
+    ibv_wc_status recv_error = IBV_WC_SUCCESS;  // the receive WQE's status
     bool discard = true;
     std::vector<std::pair<uint8_t*, uint64_t>> targets;  // kPlace
     std::vector<Mr*> busy;
@@ -289,6 +294,7 @@ class Fabric {
   void Unpark(Inbound* in);
   void Respond(Inbound* in, uint8_t syndrome);
   void CloseInbound(Inbound* in);
+  void ApplyResponderError(Inbound* in, const Decision& d);
   void RunTimers();
   int NextTimeoutMs();
 
@@ -352,6 +358,8 @@ bool Settings::FromEnvironment(Settings* s, std::string* why) {
       !ParseInt("TF_RDMA_SOFTNIC_MTU", 256, 4096, &mtu, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_DEVICES", 0, 1, &devices, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_DELAY_US", 0, 60000000, &s->delay_us, why) ||
+      !ParseInt("TF_RDMA_SOFTNIC_SEND_DELAY_US", 0, 60000000, &s->send_delay_us,
+                why) ||
       !ParseInt("TF_RDMA_SOFTNIC_DROP_AFTER", 0, INT64_MAX, &s->drop_after,
                 why) ||
       !ParseInt("TF_RDMA_SOFTNIC_CORRUPT_RKEY", 1, INT64_MAX,
@@ -575,6 +583,7 @@ void Nic::MoveToError(Qp* qp) {
                  e.failed != IBV_WC_SUCCESS ? e.failed : IBV_WC_WR_FLUSH_ERR);
   }
   qp->outstanding.clear();
+  DropUnsent(qp);
   for (const RecvEntry& r : qp->receives) {
     ibv_wc wc;
     memset(&wc, 0, sizeof(wc));
@@ -594,6 +603,7 @@ void Nic::ResetQp(Qp* qp) {
   // IBA 10.3.1 Reset: the work queues are emptied without completions.
   qp->qp.state = IBV_QPS_RESET;
   qp->outstanding.clear();
+  DropUnsent(qp);
   qp->receives.clear();
   if (qp->link) {
     shutdown(qp->link->fd, SHUT_RDWR);
@@ -656,8 +666,49 @@ bool Nic::RouteMatches(uint16_t dlid, bool is_global,
 
 bool Nic::HasLink(const Qp* qp) const { return static_cast<bool>(qp->link); }
 
-bool Nic::Transmit(Qp* qp, const void* header, size_t header_len,
-                   const struct iovec* payload, int payload_count) {
+void Nic::Enqueue(Qp* qp, Transmission t) {
+  for (Mr* mr : t.busy) ++mr->busy;
+  qp->to_send.push_back(std::move(t));
+  if (!qp->engine.joinable()) qp->engine = std::thread([this, qp] { RunEngine(qp); });
+  qp->send_cv.notify_one();
+}
+
+void Nic::DropUnsent(Qp* qp) {
+  for (Transmission& t : qp->to_send) {
+    for (Mr* mr : t.busy) --mr->busy;
+  }
+  if (!qp->to_send.empty()) idle.notify_all();
+  qp->to_send.clear();
+}
+
+void Nic::StopEngine(Qp* qp, std::unique_lock<std::mutex>* lock) {
+  qp->stopping = true;
+  DropUnsent(qp);
+  if (qp->link) shutdown(qp->link->fd, SHUT_RDWR);  // unblocks a send
+  qp->send_cv.notify_one();
+  lock->unlock();
+  if (qp->engine.joinable()) qp->engine.join();
+}
+
+void Nic::RunEngine(Qp* qp) {
+  std::unique_lock<std::mutex> lock(mu);
+  while (true) {
+    qp->send_cv.wait(lock, [qp] { return qp->stopping || !qp->to_send.empty(); });
+    if (qp->stopping) return;
+    Transmission t = std::move(qp->to_send.front());
+    qp->to_send.pop_front();
+    lock.unlock();
+    int64_t wait_ns = t.not_before_ns - NowNs();
+    if (wait_ns > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(wait_ns));
+    bool sent = Transmit(qp, t);
+    lock.lock();
+    for (Mr* mr : t.busy) --mr->busy;
+    if (!t.busy.empty()) idle.notify_all();
+    if (!sent && qp->qp.state == IBV_QPS_RTS) MarkLost(qp);
+  }
+}
+
+bool Nic::Transmit(Qp* qp, const Transmission& t) {
   std::shared_ptr<Link> link;
   WireHello hello;
   memset(&hello, 0, sizeof(hello));
@@ -682,11 +733,11 @@ bool Nic::Transmit(Qp* qp, const void* header, size_t header_len,
     if (!link) return false;
   }
   std::vector<struct iovec> iov;
-  iov.reserve(static_cast<size_t>(payload_count) + 2);
+  iov.reserve(t.payload.size() + 2);
   if (!link->hello_sent) iov.push_back({&hello, sizeof(hello)});
-  iov.push_back({const_cast<void*>(header), header_len});
-  for (int i = 0; i < payload_count; ++i) {
-    if (payload[i].iov_len > 0) iov.push_back(payload[i]);
+  iov.push_back({const_cast<WireRequest*>(&t.request), sizeof(t.request)});
+  for (const struct iovec& v : t.payload) {
+    if (v.iov_len > 0) iov.push_back(v);
   }
   if (!SendAll(link->fd, iov.data(), static_cast<int>(iov.size()))) {
     return false;
@@ -1031,15 +1082,35 @@ void Fabric::Unpark(Inbound* in) {
 }
 
 Fabric::Decision Fabric::Fail(Qp* qp, ibv_event_type event, uint8_t syndrome) {
-  // A responder-side class C/D error (IBA 9.9.3.1.3): affiliated
-  // asynchronous event, the responder's QP to Error, NAK to the requester.
-  nic_->RaiseQpEvent(qp, event);
-  nic_->MoveToError(qp);
+  // A responder-side class C/D error (IBA 9.9.3.1.3): NAK to the requester,
+  // then an affiliated asynchronous event and the responder's QP to Error
+  // (ApplyResponderError).
+  (void)qp;
   Decision d;
   d.kind = Decision::kRespond;
   d.syndrome = syndrome;
   d.close_after = true;
+  d.responder_error = true;
+  d.event = event;
   return d;
+}
+
+void Fabric::ApplyResponderError(Inbound* in, const Decision& d) {
+  std::lock_guard<std::mutex> lock(nic_->mu);
+  auto it = nic_->qps.find(in->hello.dst_qpn);
+  if (it == nic_->qps.end()) return;
+  Qp* qp = it->second;
+  if (d.recv_error != IBV_WC_SUCCESS && !qp->receives.empty()) {
+    RecvEntry taken = qp->receives.front();
+    qp->receives.pop_front();
+    ibv_wc wc;
+    memset(&wc, 0, sizeof(wc));
+    wc.opcode = IBV_WC_RECV;
+    wc.status = d.recv_error;
+    nic_->CompleteRecv(qp, taken, wc, false);
+  }
+  nic_->RaiseQpEvent(qp, d.event);
+  nic_->MoveToError(qp);
 }
 
 Fabric::Decision Fabric::Decide(Inbound* in) {
@@ -1124,17 +1195,12 @@ Fabric::Decision Fabric::Decide(Inbound* in) {
     if (!write) {
       uint64_t capacity = 0;
       for (const ibv_sge& s : recv.sges) capacity += s.length;
-      ibv_wc wc;
-      memset(&wc, 0, sizeof(wc));
-      wc.opcode = IBV_WC_RECV;
-      RecvEntry taken = recv;
       if (r.length > capacity) {
         // IBA 9.9.3.1.3 (C9-?) message longer than the receive buffer: local
         // length error at the responder, invalid request at the requester.
-        wc.status = IBV_WC_LOC_LEN_ERR;
-        qp->receives.pop_front();
-        nic_->CompleteRecv(qp, taken, wc, false);
-        return Fail(qp, IBV_EVENT_QP_REQ_ERR, kNakInvalid);
+        Decision e = Fail(qp, IBV_EVENT_QP_REQ_ERR, kNakInvalid);
+        e.recv_error = IBV_WC_LOC_LEN_ERR;
+        return e;
       }
       uint64_t left = r.length;
       for (const ibv_sge& s : recv.sges) {
@@ -1148,12 +1214,9 @@ Fabric::Decision Fabric::Decide(Inbound* in) {
             s.addr + take > mr_start + mr->mr.length) {
           // The receive WQE names memory it may not write: local protection
           // error at the responder, remote operation error at the requester.
-          d.busy.clear();
-          d.targets.clear();
-          wc.status = IBV_WC_LOC_PROT_ERR;
-          qp->receives.pop_front();
-          nic_->CompleteRecv(qp, taken, wc, false);
-          return Fail(qp, IBV_EVENT_QP_ACCESS_ERR, kNakOperation);
+          Decision e = Fail(qp, IBV_EVENT_QP_ACCESS_ERR, kNakOperation);
+          e.recv_error = IBV_WC_LOC_PROT_ERR;
+          return e;
         }
         d.targets.push_back({reinterpret_cast<uint8_t*>(s.addr), take});
         d.busy.push_back(mr);
@@ -1182,12 +1245,19 @@ void Fabric::Evaluate(Inbound* in) {
   Unpark(in);
   const WireRequest r = in->request;
   if (d.kind == Decision::kRespond) {
+    if (d.close_after) {
+      // The NAK first; this stream carries nothing more the requester will
+      // count on, so the rest of it is dropped with the connection.
+      Respond(in, d.syndrome);
+      if (d.responder_error) ApplyResponderError(in, d);
+      CloseInbound(in);
+      return;
+    }
     if (!Discard(in->fd, r.length)) {
       CloseInbound(in);
       return;
     }
     Respond(in, d.syndrome);
-    if (d.close_after) CloseInbound(in);
     return;
   }
   if (nic_->settings.delay_us > 0) {

@@ -41,6 +41,10 @@
 //                               sockets (default /tmp/tf_rdma-softnic-<uid>)
 //   TF_RDMA_SOFTNIC_DELAY_US    the responder waits this long before
 //                               placing each incoming message
+//   TF_RDMA_SOFTNIC_SEND_DELAY_US the requester reads a WR's payload this
+//                               long after it was posted (widens the window
+//                               in which a buffer reused before its
+//                               completion is caught)
 //   TF_RDMA_SOFTNIC_DROP_AFTER  after this many messages sent by this
 //                               process, its link drops every later one
 //                               (their WRs complete RETRY_EXC_ERR)
@@ -52,6 +56,7 @@
 
 #include <infiniband/verbs.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include <condition_variable>
 #include <deque>
@@ -60,7 +65,10 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "tests/softnic/wire.h"
 
 namespace softnic {
 
@@ -91,6 +99,7 @@ struct Settings {
   bool devices = true;
   std::string dir;
   int64_t delay_us = 0;
+  int64_t send_delay_us = 0;
   int64_t drop_after = -1;
   int64_t corrupt_rkey = -1;
 
@@ -122,7 +131,8 @@ struct Pd {
   int users = 0;  // MRs and QPs that name it
 };
 
-struct Mr {
+class Mr {
+ public:
   ibv_mr mr;
   Pd* pd = nullptr;
   int access = 0;
@@ -170,6 +180,18 @@ struct SendEntry {
   ibv_wc_status failed = IBV_WC_SUCCESS;  // set: completes with this status
 };
 
+// A request posted but not yet on the wire: its payload is read from the
+// registered memory only when the QP's send engine transmits it, after
+// ibv_post_send returned, as a NIC reads it by DMA after the doorbell
+// (inline data excepted: copied at post, ibv_post_send(3)).
+struct Transmission {
+  WireRequest request;
+  std::vector<uint8_t> inline_copy;
+  std::vector<struct iovec> payload;
+  std::vector<class Mr*> busy;  // pinned until transmitted
+  int64_t not_before_ns = 0;
+};
+
 struct RecvEntry {
   uint64_t wr_id = 0;
   uint64_t seq = 0;
@@ -192,9 +214,12 @@ struct Qp {
   uint64_t sq_posted = 0, sq_retired = 0;
   uint64_t rq_posted = 0, rq_retired = 0;
 
-  // Requester. send_mu serializes transmissions on this QP (taken before
-  // the NIC's lock, never by the progress thread).
-  std::mutex send_mu;
+  // Requester. The send engine, a thread of this QP (started at the first
+  // post), puts `to_send` on the wire in order; the link is its own.
+  std::deque<Transmission> to_send;
+  std::condition_variable send_cv;
+  std::thread engine;
+  bool stopping = false;
   std::shared_ptr<Link> link;  // to the responder's process
   uint32_t next_psn = 0;
   std::deque<SendEntry> outstanding;
@@ -251,11 +276,12 @@ class Nic {
   bool RouteMatches(uint16_t dlid, bool is_global, const uint8_t* dgid) const;
   bool HasLink(const Qp* qp) const;
 
-  // ---- called without mu, with qp->send_mu held ----
-  // Sends one request (and the hello first on a new connection); false
-  // when the message could not be delivered to the responder's process.
-  bool Transmit(Qp* qp, const void* header, size_t header_len,
-                const struct iovec* payload, int payload_count);
+  // Queues a request for the QP's send engine (starting it).
+  void Enqueue(Qp* qp, Transmission t);
+  // Drops what the send engine has not sent yet (the QP left RTS).
+  void DropUnsent(Qp* qp);
+  // Stops the send engine: with mu held by `lock`, which it releases.
+  void StopEngine(Qp* qp, std::unique_lock<std::mutex>* lock);
 
   void Wake();  // the progress thread recomputes its timers
   class Fabric* fabric();
@@ -265,6 +291,13 @@ class Nic {
   bool StartLocked();
   void Sweep();
   void ProgressLoop();
+
+  // The send engine of one QP (mu not held by the caller).
+  void RunEngine(Qp* qp);
+  // Sends one request (and the hello first on a new connection); false
+  // when it could not be delivered to the responder's process. Engine
+  // thread only, without mu.
+  bool Transmit(Qp* qp, const Transmission& t);
 
   friend class Fabric;
   class Fabric* fabric_ = nullptr;

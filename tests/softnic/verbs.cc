@@ -174,8 +174,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = ToQp(ibqp);
   Nic* nic = NicOf(ibqp->context);
   if (bad != nullptr) *bad = nullptr;
-  std::lock_guard<std::mutex> send_lock(qp->send_mu);
-  std::unique_lock<std::mutex> lock(nic->mu);
+  std::lock_guard<std::mutex> lock(nic->mu);
   for (; wr != nullptr; wr = wr->next) {
     // Immediate errors (ibv_post_send(3); IBA 10.3.1: posting to the send
     // queue in Reset, Init or RTR is an immediate error).
@@ -264,39 +263,32 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
     qp->outstanding.push_back(e);
     if (dropped) nic->MarkLost(qp);
     if (qp->lost_since_ns != 0) continue;
-    // The payload: inline data is copied now (the caller may reuse it at
-    // once, ibv_post_send(3)); otherwise it is read from the registered
-    // memory, which stays busy until sent.
-    std::vector<uint8_t> copy;
-    std::vector<struct iovec> iov;
-    std::vector<Mr*> busy;
+    // Inline data is copied now (the caller may reuse it at once,
+    // ibv_post_send(3)); any other payload is read by the send engine.
+    Transmission t;
+    t.request = req;
     if (inline_data) {
-      copy.resize(length);
+      t.inline_copy.resize(length);
       uint64_t at = 0;
       for (int i = 0; i < wr->num_sge; ++i) {
-        memcpy(copy.data() + at,
+        memcpy(t.inline_copy.data() + at,
                reinterpret_cast<const void*>(wr->sg_list[i].addr),
                wr->sg_list[i].length);
         at += wr->sg_list[i].length;
       }
-      iov.push_back({copy.data(), copy.size()});
+      t.payload.push_back({t.inline_copy.data(), t.inline_copy.size()});
     } else {
       for (int i = 0; i < wr->num_sge; ++i) {
         const ibv_sge& s = wr->sg_list[i];
         if (s.length == 0) continue;
-        Mr* mr = nic->mrs[s.lkey];
-        ++mr->busy;
-        busy.push_back(mr);
-        iov.push_back({reinterpret_cast<void*>(s.addr), s.length});
+        t.busy.push_back(nic->mrs[s.lkey]);
+        t.payload.push_back({reinterpret_cast<void*>(s.addr), s.length});
       }
     }
-    lock.unlock();
-    bool sent = nic->Transmit(qp, &req, sizeof(req), iov.data(),
-                              static_cast<int>(iov.size()));
-    lock.lock();
-    for (Mr* mr : busy) --mr->busy;
-    if (!busy.empty()) nic->idle.notify_all();
-    if (!sent && qp->qp.state == IBV_QPS_RTS) nic->MarkLost(qp);
+    if (nic->settings.send_delay_us > 0) {
+      t.not_before_ns = NowNs() + nic->settings.send_delay_us * 1000;
+    }
+    nic->Enqueue(qp, std::move(t));
   }
   return 0;
 }
@@ -458,6 +450,9 @@ int CheckValues(Nic* nic, const ibv_qp_attr* a, int mask) {
 // Exported entry points.
 
 extern "C" {
+
+// The mark that tells this library from rdma-core's (libibverbs.map).
+extern const char softnic_emulated[] = "softnic: emulated RDMA NIC (tests/softnic), not hardware";
 
 // Devices.
 
@@ -968,7 +963,10 @@ int ibv_destroy_qp(ibv_qp* ibqp) {
   Qp* qp = ToQp(ibqp);
   Nic* nic = NicOf(ibqp->context);
   {
-    std::lock_guard<std::mutex> send_lock(qp->send_mu);
+    std::unique_lock<std::mutex> lock(nic->mu);
+    nic->StopEngine(qp, &lock);  // releases the lock
+  }
+  {
     std::lock_guard<std::mutex> lock(nic->mu);
     nic->ResetQp(qp);
     nic->qps.erase(ibqp->qp_num);
