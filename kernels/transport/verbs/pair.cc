@@ -490,9 +490,14 @@ Status Pair::TakeNotices(std::vector<Notice>* out) {
         // error state. The cause is the first failed send completion (a
         // write the peer refused, a peer that stopped acknowledging), which
         // no writer may have polled yet: report it when there is one.
-        std::lock_guard<std::mutex> lock(write_mu_);
-        Status cause = ReapSendFailure();
-        if (!cause.ok()) return cause;
+        {
+          std::lock_guard<std::mutex> lock(write_mu_);
+          Status cause = ReapSendFailure();
+          if (!cause.ok()) return cause;
+        }
+        // Or the device failed it as a responder (asynchronous event).
+        std::string why = context_->AsyncCause(qp_->qp_num);
+        if (!why.empty()) return Unavailable("RDMA connection failed: " + why);
       }
       if (wc[i].status != IBV_WC_SUCCESS) {
         return Unavailable(std::string("RDMA receive failed: ") +
