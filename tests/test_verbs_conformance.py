@@ -55,7 +55,12 @@ def env():
     directory of its own, unless this is a hardware run."""
     out = dict(os.environ)
     directory = None
-    if not HARDWARE:
+    if HARDWARE:
+        # The real library, even where softnic is on the inherited path.
+        kept = [d for d in out.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+                if d and os.path.realpath(d) != os.path.realpath(SOFTNIC_DIR)]
+        out["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    else:
         library_path = out.get("LD_LIBRARY_PATH")
         out["LD_LIBRARY_PATH"] = SOFTNIC_DIR + (":" + library_path if library_path else "")
         directory = tempfile.mkdtemp(prefix="snc", dir="/tmp")
@@ -63,6 +68,14 @@ def env():
     yield out
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def device_options():
+    """The device, port and GID the plugin's settings name, for the driver."""
+    names = {"TF_RDMA_VERBS_DEVICE": "device", "TF_RDMA_VERBS_PORT": "port",
+             "TF_RDMA_VERBS_GID_INDEX": "gid_index"}
+    return [f"{option}={os.environ[variable]}" for variable, option in names.items()
+            if os.environ.get(variable) not in (None, "", "0", "-1")]
 
 
 def facts_of(text):
@@ -76,7 +89,7 @@ def facts_of(text):
 
 def run_check(env, check, *options, timeout=30):
     """Runs a single-process check; returns its facts."""
-    proc = subprocess.run([CHECK, check, *options], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([CHECK, check, *options, *device_options()], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and "OK" in proc.stdout.split(), \
         f"verbs_check {check} {' '.join(options)}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return facts_of(proc.stdout)
@@ -88,7 +101,7 @@ class Duo:
     def __init__(self, env, check, *options, target_env=None, initiator_env=None, kill=True):
         def start(role, extra):
             process_env = dict(env, **(extra or {}))
-            return subprocess.Popen([CHECK, check, role, *options], env=process_env,
+            return subprocess.Popen([CHECK, check, role, *options, *device_options()], env=process_env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         self.target = start("target", target_env)
@@ -172,7 +185,9 @@ def test_device_port_gid_and_limits(env):
     facts = run_check(env, "device")
     assert int(facts["max_qp_wr"]) >= 128 and int(facts["max_cqe"]) >= 128, facts
     assert int(facts["max_inline_data"]) >= 24, facts  # the plugin's notice fits
-    if not HARDWARE:
+    if HARDWARE:
+        assert "emulated" not in facts["fw_ver"], f"TF_RDMA_TEST_VERBS=1 but the device is softnic: {facts}"
+    else:
         # What `tf-rdma doctor` can tell an emulated device by.
         assert facts["name"] == "softnic0", facts
         assert "emulated" in facts["fw_ver"], facts
