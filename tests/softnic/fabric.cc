@@ -49,10 +49,11 @@
 // the QP moves to Error and flushes the rest.
 //
 // Costs and limits: a message crosses one Unix socket (two copies in the
-// kernel); a responder that holds a message back (RNR, not yet RTR) holds
-// back the stream behind it, so a sender posting much more behind it may
-// block in ibv_post_send where a NIC would queue. Timing is the responder's
-// CPU's: an alive but slow responder never causes a retry error.
+// kernel). Streams are read without blocking, so a requester stalled
+// mid-message holds back only its own stream. The "NIC" runs on the
+// process's threads: a stopped (SIGSTOP) process acknowledges nothing until
+// it resumes, where a real NIC would go on placing and acknowledging; and
+// an alive but slow responder never causes a retry error.
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -151,28 +152,6 @@ void CloseFd(int fd) {
   close(fd);
 }
 
-bool ReadFull(int fd, void* data, size_t n) {
-  uint8_t* p = static_cast<uint8_t*>(data);
-  while (n > 0) {
-    ssize_t got = recv(fd, p, n, MSG_WAITALL);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    p += got;
-    n -= static_cast<size_t>(got);
-  }
-  return true;
-}
-
-bool Discard(int fd, uint64_t n) {
-  static thread_local std::vector<uint8_t> sink(1 << 20);
-  while (n > 0) {
-    size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, sink.size()));
-    if (!ReadFull(fd, sink.data(), chunk)) return false;
-    n -= chunk;
-  }
-  return true;
-}
-
 bool SendAll(int fd, struct iovec* iov, int count) {
   while (count > 0) {
     msghdr msg = {};
@@ -220,13 +199,47 @@ class Link {
   size_t partial_len = 0;
 };
 
+constexpr int kParkedRnr = 1;
+constexpr int kParkedDropped = 2;
+
+// What the responder does with one request (Fabric::Decide).
+struct Decision {
+  enum Kind { kBlocked, kRespond, kPlace } kind = kRespond;
+  int why = 0;                 // kBlocked: kParkedRnr or kParkedDropped
+  int64_t rnr_interval_ns = 0;
+  uint8_t syndrome = kAck;     // kRespond
+  bool close_after = false;
+  // A responder-side error, applied after the NAK is sent (a NIC NAKs at
+  // once; its host learns of the error later).
+  bool responder_error = false;
+  ibv_event_type event = IBV_EVENT_QP_FATAL;
+  ibv_wc_status recv_error = IBV_WC_SUCCESS;  // the receive WQE's status
+  std::vector<std::pair<uint8_t*, uint64_t>> targets;  // kPlace
+  std::vector<Mr*> busy;
+  bool has_recv = false;
+  RecvEntry recv;
+  uint32_t packets = 1;
+};
+
 // A stream from some requester QP into this process (progress thread only).
+// It is read without blocking, a message taking its bytes as they come, so
+// a requester that stalls mid-message (stopped, or slow to send) holds
+// back only its own stream, as a NIC holds back only that QP.
 struct Inbound {
+  enum Stage { kHello, kHeader, kPayload, kDiscard };
   uint64_t id = 0;
   int fd = -1;
-  bool have_hello = false;
+  Stage stage = kHello;
+  uint8_t buf[sizeof(WireHello)];  // a hello or request header, in part
+  size_t have = 0;
   WireHello hello = {};
   WireRequest request = {};
+  // kPayload: where the request's bytes go; kDiscard: how many to drop.
+  Decision place;
+  size_t target = 0;
+  uint64_t target_done = 0;
+  uint64_t discard_left = 0;
+  uint8_t discard_syndrome = kAck;  // answered once discarded
   // A request the responder holds back (its payload still in the socket):
   bool parked = false;
   int why = 0;             // kParkedRnr or kParkedDropped
@@ -238,8 +251,8 @@ struct Inbound {
 namespace {
 constexpr uint64_t kListenId = 1;
 constexpr uint64_t kWakeId = 2;
-constexpr int kParkedRnr = 1;
-constexpr int kParkedDropped = 2;
+// How a step of an inbound stream ended.
+enum Step { kMore, kWait, kGone };
 }  // namespace
 
 class Fabric {
@@ -262,35 +275,20 @@ class Fabric {
   std::map<uint64_t, std::shared_ptr<Link>> links;  // under nic->mu
 
  private:
-  struct Decision {
-    enum Kind { kBlocked, kRespond, kPlace } kind = kRespond;
-    int why = 0;                 // kBlocked
-    int64_t rnr_interval_ns = 0;
-    uint8_t syndrome = kAck;     // kRespond
-    bool close_after = false;
-    // A responder-side error, applied after the NAK is sent (a NIC NAKs
-    // at once; its host learns of the error later).
-    bool responder_error = false;
-    ibv_event_type event = IBV_EVENT_QP_FATAL;
-    ibv_wc_status recv_error = IBV_WC_SUCCESS;  // the receive WQE's status
-    bool discard = true;
-    std::vector<std::pair<uint8_t*, uint64_t>> targets;  // kPlace
-    std::vector<Mr*> busy;
-    bool has_recv = false;
-    RecvEntry recv;
-    uint32_t packets = 1;
-  };
-
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
   bool OwnerAlive(const std::string& owner) const;
   void Sweep();
   void AcceptAll();
   void HandleInbound(Inbound* in);
+  Step ReadHeader(Inbound* in, size_t want);
+  Step ReadPayload(Inbound* in);
+  Step DiscardPayload(Inbound* in);
+  Step FinishPlacement(Inbound* in);
   void HandleLink(uint64_t id);
-  void Evaluate(Inbound* in);
+  Step Evaluate(Inbound* in);
   Decision Decide(Inbound* in);
   Decision Fail(Qp* qp, ibv_event_type event, uint8_t syndrome);
-  void Park(Inbound* in, const Decision& d);
+  Step Park(Inbound* in, const Decision& d);
   void Unpark(Inbound* in);
   void Respond(Inbound* in, uint8_t syndrome);
   void CloseInbound(Inbound* in);
@@ -966,7 +964,9 @@ void Fabric::RunTimers() {
       due.push_back(kv.second.get());
     }
   }
-  for (Inbound* in : due) Evaluate(in);
+  for (Inbound* in : due) {
+    if (Evaluate(in) == kMore) HandleInbound(in);
+  }
   std::lock_guard<std::mutex> lock(nic_->mu);
   for (auto& kv : nic_->qps) {
     Qp* qp = kv.second;
@@ -984,7 +984,7 @@ void Fabric::AcceptAll() {
   while (true) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;
-    // Reads block (a payload is read whole); only the accept is polled.
+    // Blocking for the (small) responses; reads pass MSG_DONTWAIT.
     int flags = fcntl(fd, F_GETFL);
     fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     RegisterFd(fd);
@@ -1000,27 +1000,111 @@ void Fabric::AcceptAll() {
 }
 
 void Fabric::CloseInbound(Inbound* in) {
+  if (in->stage == Inbound::kPayload && !in->place.busy.empty()) {
+    // A message cut off midway (the requester died): the bytes that came
+    // are placed, as a NIC would have placed the packets that came.
+    std::lock_guard<std::mutex> lock(nic_->mu);
+    for (Mr* mr : in->place.busy) --mr->busy;
+    nic_->idle.notify_all();
+  }
   if (!in->parked) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, in->fd, nullptr);
   CloseFd(in->fd);
   inbound_.erase(in->id);
 }
 
-void Fabric::HandleInbound(Inbound* in) {
-  if (!in->have_hello) {
-    if (!ReadFull(in->fd, &in->hello, sizeof(in->hello)) ||
-        in->hello.magic != kHelloMagic) {
-      CloseInbound(in);
-      return;
+Step Fabric::ReadHeader(Inbound* in, size_t want) {
+  while (in->have < want) {
+    ssize_t got = recv(in->fd, in->buf + in->have, want - in->have, MSG_DONTWAIT);
+    if (got > 0) {
+      in->have += static_cast<size_t>(got);
+    } else if (got < 0 && errno == EINTR) {
+      continue;
+    } else if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return kWait;
+    } else {
+      CloseInbound(in);  // the requester's process is gone
+      return kGone;
     }
-    in->have_hello = true;
-    return;
   }
-  if (in->parked) return;
-  if (!ReadFull(in->fd, &in->request, sizeof(in->request))) {
-    CloseInbound(in);
-    return;
+  in->have = 0;
+  return kMore;
+}
+
+Step Fabric::ReadPayload(Inbound* in) {
+  auto& targets = in->place.targets;
+  while (in->target < targets.size()) {
+    uint64_t left = targets[in->target].second - in->target_done;
+    if (left == 0) {
+      ++in->target;
+      in->target_done = 0;
+      continue;
+    }
+    ssize_t got = recv(in->fd, targets[in->target].first + in->target_done,
+                       static_cast<size_t>(std::min<uint64_t>(left, 1 << 30)),
+                       MSG_DONTWAIT);
+    if (got > 0) {
+      in->target_done += static_cast<uint64_t>(got);
+    } else if (got < 0 && errno == EINTR) {
+      continue;
+    } else if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return kWait;
+    } else {
+      CloseInbound(in);
+      return kGone;
+    }
   }
-  Evaluate(in);
+  return kMore;
+}
+
+Step Fabric::DiscardPayload(Inbound* in) {
+  static uint8_t sink[1 << 16];
+  while (in->discard_left > 0) {
+    ssize_t got = recv(in->fd, sink,
+                       static_cast<size_t>(std::min<uint64_t>(in->discard_left, sizeof(sink))),
+                       MSG_DONTWAIT);
+    if (got > 0) {
+      in->discard_left -= static_cast<uint64_t>(got);
+    } else if (got < 0 && errno == EINTR) {
+      continue;
+    } else if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return kWait;
+    } else {
+      CloseInbound(in);
+      return kGone;
+    }
+  }
+  return kMore;
+}
+
+void Fabric::HandleInbound(Inbound* in) {
+  // Level-triggered: a bounded number of messages per call, so that one
+  // busy stream does not starve the others.
+  for (int budget = 0; budget < 64 && !in->parked; ++budget) {
+    switch (in->stage) {
+      case Inbound::kHello:
+        if (ReadHeader(in, sizeof(WireHello)) != kMore) return;
+        memcpy(&in->hello, in->buf, sizeof(in->hello));
+        if (in->hello.magic != kHelloMagic) {
+          CloseInbound(in);
+          return;
+        }
+        in->stage = Inbound::kHeader;
+        break;
+      case Inbound::kHeader:
+        if (ReadHeader(in, sizeof(WireRequest)) != kMore) return;
+        memcpy(&in->request, in->buf, sizeof(in->request));
+        if (Evaluate(in) != kMore) return;
+        break;
+      case Inbound::kPayload:
+        if (ReadPayload(in) != kMore || FinishPlacement(in) != kMore) return;
+        break;
+      case Inbound::kDiscard:
+        if (DiscardPayload(in) != kMore) return;
+        Respond(in, in->discard_syndrome);
+        in->stage = Inbound::kHeader;
+        break;
+    }
+  }
 }
 
 void Fabric::Respond(Inbound* in, uint8_t syndrome) {
@@ -1031,8 +1115,9 @@ void Fabric::Respond(Inbound* in, uint8_t syndrome) {
   SendAll(in->fd, &iov, 1);  // a requester that is gone does not need it
 }
 
-void Fabric::Park(Inbound* in, const Decision& d) {
+Step Fabric::Park(Inbound* in, const Decision& d) {
   int64_t now = NowNs();
+  bool exhausted = false;
   if (!in->parked || in->why != d.why) {
     // First hold for this reason.
     if (!in->parked) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, in->fd, nullptr);
@@ -1051,25 +1136,19 @@ void Fabric::Park(Inbound* in, const Decision& d) {
       in->left = t == 0 ? -1 : in->hello.retry_cnt + 1;
       in->interval_ns = t == 0 ? 100000000ll : t;
     }
-    if (in->left == 0) {  // rnr_retry 0: the first RNR NAK is final
-      Unpark(in);
-      if (Discard(in->fd, in->request.length)) Respond(in, kNakRnr);
-      CloseInbound(in);
-      return;
-    }
-    in->deadline_ns = now + in->interval_ns;
-    return;
+    exhausted = in->left == 0;  // rnr_retry 0: the first RNR NAK is final
+  } else {
+    exhausted = in->left > 0 && --in->left == 0;  // still held at a retry
   }
-  // Still held at a retry.
-  if (in->left > 0 && --in->left == 0) {
-    Unpark(in);
-    if (Discard(in->fd, in->request.length)) {
-      Respond(in, d.why == kParkedRnr ? kNakRnr : kNakRetry);
-    }
+  if (exhausted) {
+    // The requester gives up: its WR fails, its QP moves to Error and sends
+    // nothing more, so this stream ends here.
+    Respond(in, d.why == kParkedRnr ? kNakRnr : kNakRetry);
     CloseInbound(in);
-    return;
+    return kGone;
   }
   in->deadline_ns = now + in->interval_ns;
+  return kWait;
 }
 
 void Fabric::Unpark(Inbound* in) {
@@ -1081,7 +1160,7 @@ void Fabric::Unpark(Inbound* in) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, in->fd, &ev);
 }
 
-Fabric::Decision Fabric::Fail(Qp* qp, ibv_event_type event, uint8_t syndrome) {
+Decision Fabric::Fail(Qp* qp, ibv_event_type event, uint8_t syndrome) {
   // A responder-side class C/D error (IBA 9.9.3.1.3): NAK to the requester,
   // then an affiliated asynchronous event and the responder's QP to Error
   // (ApplyResponderError).
@@ -1113,7 +1192,7 @@ void Fabric::ApplyResponderError(Inbound* in, const Decision& d) {
   nic_->MoveToError(qp);
 }
 
-Fabric::Decision Fabric::Decide(Inbound* in) {
+Decision Fabric::Decide(Inbound* in) {
   const WireHello& h = in->hello;
   const WireRequest& r = in->request;
   Decision d;
@@ -1232,18 +1311,14 @@ Fabric::Decision Fabric::Decide(Inbound* in) {
   return d;
 }
 
-void Fabric::Evaluate(Inbound* in) {
+Step Fabric::Evaluate(Inbound* in) {
   Decision d;
   {
     std::lock_guard<std::mutex> lock(nic_->mu);
     d = Decide(in);
   }
-  if (d.kind == Decision::kBlocked) {
-    Park(in, d);
-    return;
-  }
+  if (d.kind == Decision::kBlocked) return Park(in, d);
   Unpark(in);
-  const WireRequest r = in->request;
   if (d.kind == Decision::kRespond) {
     if (d.close_after) {
       // The NAK first; this stream carries nothing more the requester will
@@ -1251,33 +1326,35 @@ void Fabric::Evaluate(Inbound* in) {
       Respond(in, d.syndrome);
       if (d.responder_error) ApplyResponderError(in, d);
       CloseInbound(in);
-      return;
+      return kGone;
     }
-    if (!Discard(in->fd, r.length)) {
-      CloseInbound(in);
-      return;
-    }
-    Respond(in, d.syndrome);
-    return;
+    in->stage = Inbound::kDiscard;  // a duplicate: acknowledged, not placed
+    in->discard_left = in->request.length;
+    in->discard_syndrome = d.syndrome;
+    return kMore;
   }
   if (nic_->settings.delay_us > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(nic_->settings.delay_us));
   }
-  bool ok = true;
-  for (auto& t : d.targets) {
-    if (!ReadFull(in->fd, t.first, t.second)) {
-      ok = false;
-      break;
-    }
-  }
+  in->stage = Inbound::kPayload;
+  in->place = std::move(d);
+  in->target = 0;
+  in->target_done = 0;
+  return kMore;
+}
+
+Step Fabric::FinishPlacement(Inbound* in) {
+  const WireRequest& r = in->request;
+  Decision& d = in->place;
   uint8_t syndrome = kAck;
   {
     std::lock_guard<std::mutex> lock(nic_->mu);
     for (Mr* mr : d.busy) --mr->busy;
     if (!d.busy.empty()) nic_->idle.notify_all();
+    d.busy.clear();
     auto it = nic_->qps.find(in->hello.dst_qpn);
     Qp* qp = it == nic_->qps.end() ? nullptr : it->second;
-    if (ok && qp != nullptr &&
+    if (qp != nullptr &&
         (qp->qp.state == IBV_QPS_RTR || qp->qp.state == IBV_QPS_RTS)) {
       qp->expected_psn = (qp->expected_psn + d.packets) & 0xffffff;
       if (d.has_recv) {
@@ -1298,12 +1375,14 @@ void Fabric::Evaluate(Inbound* in) {
       syndrome = kNakRetry;  // the QP left RTR/RTS while the data arrived
     }
   }
-  if (!ok) {
-    CloseInbound(in);
-    return;
-  }
+  in->place = Decision();
+  in->stage = Inbound::kHeader;
   Respond(in, syndrome);
-  if (syndrome != kAck) CloseInbound(in);
+  if (syndrome != kAck) {
+    CloseInbound(in);
+    return kGone;
+  }
+  return kMore;
 }
 
 void Fabric::HandleLink(uint64_t id) {
