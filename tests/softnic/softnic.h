@@ -51,6 +51,8 @@
 //   TF_RDMA_SOFTNIC_CORRUPT_RKEY the n-th (1-based) RDMA WRITE posted by
 //                               this process carries a corrupted rkey
 //                               (REM_ACCESS_ERR)
+//   TF_RDMA_SOFTNIC_DEBUG       set: dropped requests and PSN mismatches
+//                               are logged to stderr
 #ifndef TF_RDMA_TESTS_SOFTNIC_SOFTNIC_H_
 #define TF_RDMA_TESTS_SOFTNIC_SOFTNIC_H_
 
