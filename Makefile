@@ -10,7 +10,7 @@ DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.tf_rdma-built
 SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: all install demo test test-fast bench bench-deps system-packages clean help fuzz
+.PHONY: all install demo test test-fast bench bench-deps system-packages clean help fuzz softnic
 
 all: install
 
@@ -22,6 +22,7 @@ help:
 	@echo "make install  set up .venv and build the op library"
 	@echo "make fuzz     fuzz the wire parsers and slot checks (libFuzzer with clang, installed if it can be; else a g++ driver); FUZZ_SECONDS=60"
 	@echo "make cpp-test C++ unit tests of the engine pieces (wire, regions, config, slots, sha256, shm/tcp writes); g++, no TensorFlow; CPP_TEST_ARGS='NAME --list' filters"
+	@echo "make softnic  build the emulated RDMA NIC (build/softnic/libibverbs.so.1, tests only) and the verbs conformance driver"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 # iproute2 for the network-namespace tests, g++ for the op library,
@@ -72,7 +73,38 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-install: system-packages $(BUILD_STAMP)
+install: system-packages $(BUILD_STAMP) softnic
+
+# softnic (tests/softnic/softnic.h): an emulated RDMA NIC in user space, a
+# drop-in libibverbs.so.1 with rdma-core's symbol versions, for the tests and
+# for trying the verbs transport without a NIC; never a production path.
+# LD_LIBRARY_PATH=$$PWD/build/softnic selects it for a process and its
+# children (the plugin is not rebuilt). verbs_check is the driver of the
+# verbs conformance suite (tests/test_verbs_conformance.py), linked to the
+# system libibverbs so that it runs on real devices too. Skipped, with the
+# reason, where <infiniband/verbs.h> is missing.
+SOFTNIC_DIR := build/softnic
+SOFTNIC_LIB := $(SOFTNIC_DIR)/libibverbs.so.1
+SOFTNIC_CHECK := $(SOFTNIC_DIR)/verbs_check
+SOFTNIC_SOURCES := $(wildcard tests/softnic/*.cc tests/softnic/*.h) tests/softnic/libibverbs.map
+
+softnic: $(SOFTNIC_LIB) $(SOFTNIC_CHECK)
+
+$(SOFTNIC_LIB): $(SOFTNIC_SOURCES) Makefile
+	@mkdir -p $(SOFTNIC_DIR)
+	@if [ -e /usr/include/infiniband/verbs.h ]; then \
+	  echo "softnic: building $@ (emulated RDMA NIC, tests only)"; \
+	  g++ -std=c++17 -O2 -g -fPIC -Wall -Wextra -Wno-unused-parameter -I. -shared \
+	    -Wl,-soname,libibverbs.so.1 -Wl,--version-script=tests/softnic/libibverbs.map \
+	    -Wl,--no-undefined tests/softnic/fabric.cc tests/softnic/verbs.cc \
+	    -o $@.tmp -lpthread && mv -f $@.tmp $@; \
+	else echo "softnic: <infiniband/verbs.h> is missing (libibverbs-dev): not built"; fi
+
+$(SOFTNIC_CHECK): tests/conformance/verbs_check.c Makefile
+	@mkdir -p $(SOFTNIC_DIR)
+	@if [ -e /usr/include/infiniband/verbs.h ]; then \
+	  gcc -std=c11 -O1 -g -Wall -Wextra -Wno-unused-parameter $< -o $@.tmp -libverbs && mv -f $@.tmp $@; \
+	else echo "verbs_check: <infiniband/verbs.h> is missing (libibverbs-dev): not built"; fi
 
 # The parameter-server example, trained through gRPC and through
 # @tf_rdma.rewrite side by side: same losses, step times, speedup, plan; then

@@ -197,8 +197,21 @@ SYS_CLASS_INFINIBAND = "/sys/class/infiniband"
 _verbs_missing = []  # the answer of verbs_missing(), once computed
 
 
+def softnic_loaded():
+    """True when the libibverbs this process loads is softnic, the emulated NIC
+    (tests/softnic/; LD_LIBRARY_PATH=build/softnic selects it)."""
+    import ctypes  # noqa: E402 - only the verbs tests need it
+
+    try:
+        return hasattr(ctypes.CDLL("libibverbs.so.1"), "softnic_emulated")
+    except OSError:
+        return False
+
+
 def _active_port_missing():
     """None when a device under /sys/class/infiniband has an ACTIVE port, else why not."""
+    if softnic_loaded():
+        return None  # no sysfs for the emulation: the engine is asked below
     if not os.path.isdir(SYS_CLASS_INFINIBAND):
         return (f"no RDMA support in this kernel ({SYS_CLASS_INFINIBAND} is "
                 f"absent)")

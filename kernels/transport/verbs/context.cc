@@ -1,6 +1,7 @@
 #include "kernels/transport/verbs/context.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <sys/resource.h>
 
@@ -228,6 +229,14 @@ Status Context::Open(const VerbsSettings& settings,
   }
   ibv_free_device_list(list);
   TF_RDMA_RETURN_IF_ERROR(s);
+  // Asynchronous events are read when a pair fails (AsyncCause), never
+  // waited for.
+  int flags = fcntl(c->context_->async_fd, F_GETFL);
+  if (flags < 0 ||
+      fcntl(c->context_->async_fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+    return Internal(Strerror("making the asynchronous event fd non-blocking",
+                             errno));
+  }
   TF_RDMA_RETURN_IF_ERROR(c->ChoosePort());
   c->pd_ = ibv_alloc_pd(c->context_);
   if (c->pd_ == nullptr) {
@@ -412,6 +421,39 @@ Status Context::Register(const uint8_t* data, uint64_t size, uint32_t* rkey) {
   registered_[reinterpret_cast<uintptr_t>(data)] = mr;
   *rkey = mr->rkey;
   return Status::Ok();
+}
+
+std::string Context::AsyncCause(uint32_t qp_num) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ibv_async_event event;
+  while (ibv_get_async_event(context_, &event) == 0) {
+    switch (event.event_type) {
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+        qp_events_.emplace(event.element.qp->qp_num, event.event_type);
+        break;
+      default:
+        break;
+    }
+    ibv_ack_async_event(&event);
+  }
+  auto it = qp_events_.find(qp_num);
+  if (it == qp_events_.end()) return "";
+  std::string why = ibv_event_type_str(it->second);
+  switch (it->second) {
+    case IBV_EVENT_QP_ACCESS_ERR:
+      why += ": the peer wrote outside the regions this end registered, or "
+             "with a stale key";
+      break;
+    case IBV_EVENT_QP_REQ_ERR:
+      why += ": the peer sent a request this end cannot accept (a message "
+             "longer than a posted receive, or than the path MTU)";
+      break;
+    default:
+      break;
+  }
+  return why;
 }
 
 bool Context::FindLocal(const void* data, uint64_t nbytes, uint32_t* lkey) {

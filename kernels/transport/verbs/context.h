@@ -40,6 +40,10 @@ class Context : public VerbsDevice {
   Status Register(const uint8_t* data, uint64_t size, uint32_t* rkey);
   // The local key of a registered range that holds [data, data + nbytes).
   bool FindLocal(const void* data, uint64_t nbytes, uint32_t* lkey);
+  // Why queue pair `qp_num` entered the error state when the device said so
+  // with an affiliated asynchronous event (e.g. the peer wrote outside a
+  // registered region), else "". Reads the device's pending events.
+  std::string AsyncCause(uint32_t qp_num);
 
   const VerbsSettings& settings() const { return settings_; }
   ibv_context* context() const { return context_; }
@@ -74,6 +78,7 @@ class Context : public VerbsDevice {
 
   std::mutex mu_;
   std::map<uintptr_t, ibv_mr*> registered_;  // by start address
+  std::map<uint32_t, ibv_event_type> qp_events_;  // by QP number
 };
 
 }  // namespace verbs

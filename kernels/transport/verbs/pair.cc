@@ -345,6 +345,22 @@ Status Pair::Drain(int left, const Deadline& deadline) {
   return error_;
 }
 
+Status Pair::ReapSendFailure() {
+  // Caller holds write_mu_. The queue pair is in the error state, so every
+  // outstanding send request has its completion already: no waiting.
+  while (error_.ok() && outstanding_ > 0) {
+    ibv_wc wc[16];
+    int n = ibv_poll_cq(send_cq_, 16, wc);
+    if (n <= 0) break;
+    for (int i = 0; i < n; ++i) {
+      --outstanding_;
+      if (wc[i].wr_id < staging_busy_.size()) staging_busy_[wc[i].wr_id] = false;
+      if (wc[i].status != IBV_WC_SUCCESS) Fail(CompletionError(wc[i]));
+    }
+  }
+  return error_;
+}
+
 Status Pair::Post(ibv_send_wr* wr, const Deadline& deadline) {
   // Caller holds write_mu_. Keeps the send queue within its depth.
   TF_RDMA_RETURN_IF_ERROR(
@@ -469,6 +485,20 @@ Status Pair::TakeNotices(std::vector<Notice>* out) {
     if (n < 0) return Unavailable("polling the receive completion queue");
     if (n == 0) return Status::Ok();
     for (int i = 0; i < n; ++i) {
+      if (wc[i].status == IBV_WC_WR_FLUSH_ERR) {
+        // A flushed receive is a consequence: the queue pair is in the
+        // error state. The cause is the first failed send completion (a
+        // write the peer refused, a peer that stopped acknowledging), which
+        // no writer may have polled yet: report it when there is one.
+        {
+          std::lock_guard<std::mutex> lock(write_mu_);
+          Status cause = ReapSendFailure();
+          if (!cause.ok()) return cause;
+        }
+        // Or the device failed it as a responder (asynchronous event).
+        std::string why = context_->AsyncCause(qp_->qp_num);
+        if (!why.empty()) return Unavailable("RDMA connection failed: " + why);
+      }
       if (wc[i].status != IBV_WC_SUCCESS) {
         return Unavailable(std::string("RDMA receive failed: ") +
                            ibv_wc_status_str(wc[i].status));

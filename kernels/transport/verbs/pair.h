@@ -74,6 +74,9 @@ class Pair : public VerbsPair {
   // Polls the send queue's completions until at most `left` requests are
   // outstanding.
   Status Drain(int left, const Deadline& deadline);
+  // The queue pair is in the error state: polls the send completions that
+  // are already there and returns the first failure (or OK if none).
+  Status ReapSendFailure();
   Status Fail(const Status& why);  // the pair is unusable from now on
   void ReleaseStaging();           // closed and idle: unpin the staging area
 
