@@ -93,7 +93,7 @@ class RewrittenFunction:
         self._depth = depth
         # Calls in flight hold at most one copy of each slot each; with no
         # more calls than copies, a call never waits for another's copy
-        # (kernels/engine/engine.cc, "Matching calls"). A bad depth is
+        # (kernels/engine/match.cc). A bad depth is
         # reported by the plan, with the value, at the first trace.
         self._in_flight = threading.BoundedSemaphore(
             depth if isinstance(depth, int) and depth >= 1 else 1)

@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 
+from tf_rdma import _native
 from tf_rdma import cluster as cluster_lib
 from tf_rdma import settings
 from tf_rdma.doctor.system import read_text
@@ -131,11 +132,13 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
     of ``TF_RDMA_TRANSPORT`` (``auto``: verbs, shm, tcp) that both ends
     allow and that fits the pair — verbs when both ends have a usable RDMA
     device, shm when both run on one host (same boot and network namespace),
-    tcp always. The doctor predicts that from this host's verbs status and
-    the addresses: two tasks are on one host when both are loopback
-    addresses, both are addresses or names of this machine, or they have the
-    same host string. It assumes the other hosts' RDMA devices are like this
-    one's.
+    tcp always. The doctor predicts it with the engine's own rule
+    (kernels/common/transport_choice.h, through :mod:`tf_rdma._native`) from
+    this host's verbs status and the addresses, as the engine's start-up log
+    does: two tasks are on one host when both are loopback addresses, both
+    are addresses or names of this machine, or they have the same host
+    string. Another task's RDMA device is not known here: a verbs choice
+    says what the pair falls back to without one.
 
     Args:
         cluster_json: A ClusterSpec as JSON (``{"worker": [...]}`` or a whole
@@ -193,38 +196,21 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
         host = next((t["host"] for t in tasks if t["task"] == me), None)
         verbs = result["verbs"] = engine_verbs_status(env, host)
     forced = "" if setting == "auto" else f" (TF_RDMA_TRANSPORT={setting})"
-    start_fails = None
-    if "verbs" in allowed and "tcp" not in allowed and not verbs["available"]:
-        start_fails = (f"TF_RDMA_TRANSPORT={setting} asks for verbs, which is not usable "
-                       f"here ({verbs['reason']}): the endpoint does not start")
+    verbs_detail = verbs["device"] if verbs["available"] else verbs["reason"]
     for i, a in enumerate(tasks):
         for b in tasks[i + 1:]:
             if me is not None and me not in (a["task"], b["task"]):
                 continue
-            same, why = _same_host(a, b)
-            chosen, reason = None, None
-            if start_fails:
-                result["pairs"].append({"a": a["task"], "b": b["task"], "transport": None,
-                                        "reason": start_fails})
-                continue
-            for t in allowed:
-                if t == "verbs" and verbs["available"]:
-                    chosen = "verbs"
-                    reason = (f"RDMA device {verbs['device']} (when the other end has a usable "
-                              f"device too; else the next allowed transport)")
-                elif t == "shm" and same:
-                    chosen, reason = "shm", why
-                elif t == "tcp":
-                    chosen, reason = "tcp", why
-                if chosen:
-                    break
-            if chosen:
-                reason += forced
-            else:
-                reason = (f"{why}, but TF_RDMA_TRANSPORT={setting} allows only "
-                          f"{', '.join(allowed)}: the hello fails with 'no common transport'")
-            result["pairs"].append({"a": a["task"], "b": b["task"], "transport": chosen,
-                                    "reason": reason})
+            # The engine's own rule (kernels/common/transport_choice.h): a
+            # chooses, b's settings are assumed the same and its RDMA device
+            # unknown; one host is judged from the addresses.
+            choice = _native.choose_transport(
+                {"task": a["task"], "allowed": setting, "verbs": bool(verbs["available"]),
+                 "verbs_detail": verbs_detail, "host": a["host"], "host_kind": a["host_kind"]},
+                {"task": b["task"], "host": b["host"], "host_kind": b["host_kind"]})
+            reason = choice["reason"] + (forced if choice["transport"] else "")
+            result["pairs"].append({"a": a["task"], "b": b["task"],
+                                    "transport": choice["transport"], "reason": reason})
     return result
 
 
@@ -262,10 +248,8 @@ def plan_transports(pairs, cluster=None, env=None):
         verbs = {"available": not unusable,
                  "device": None if unusable else info["verbs"],
                  "reason": info["verbs"][len("unusable: "):] if unusable else None}
-        for line in info["pair"]:
-            a, _, rest = line.partition(" -> ")
-            b, _, transport = rest.rpartition(" ")
-            connected[(a, b)] = transport
+        for pair in info["pairs"]:
+            connected[(pair["writer"], pair["reader"])] = pair["transport"]
     if cluster is None and (env.get(cluster_lib.TF_CONFIG_ENV) or "").strip():
         cluster = cluster_lib.cluster_from_tf_config(env)
     if hasattr(cluster, "as_dict"):
@@ -291,16 +275,3 @@ def plan_transports(pairs, cluster=None, env=None):
         out.append(row)
     return out
 
-
-def _same_host(a, b):
-    """Returns ``(same_host, reason)`` for two task dicts."""
-    ka, kb = a["host_kind"], b["host_kind"]
-    if ka == "loopback" and kb == "loopback":
-        return True, "both tasks are on loopback addresses of this host"
-    if ka in ("loopback", "local") and kb in ("loopback", "local"):
-        return True, "both tasks are on addresses of this host"
-    if a["host"].lower() == b["host"].lower():
-        return True, f"both tasks are on host {a['host']}"
-    remote = [t for t in (a, b) if t["host_kind"] == "remote"]
-    return False, ("different hosts: " + ", ".join(f"{t['task']} is on {t['host']}" for t in remote)
-                   + (" (not this machine)" if len(remote) == 1 else ""))
