@@ -143,6 +143,33 @@ def test_bad_input_is_a_config_error():
         _native.choose_transport({"allowed": "auto", "hots": "x"}, {})
 
 
+# TF_RDMA_TRANSPORT is parsed in Python (settings: stripped and lower-cased,
+# refused before any endpoint starts) and in C++ (the engine, which gets
+# Python's normalized value, and the peers' lists in a HELLO). What Python
+# refuses the C++ refuses; what it accepts, normalized, the C++ reads alike.
+@pytest.mark.parametrize("value", [
+    "auto", "verbs", "shm", "tcp", "shm,tcp", "tcp,shm", "verbs,shm,tcp", "tcp,verbs",
+    "", "rdma", "shm,shm", "shm,,tcp", "SHM", "shm tcp", "auto,shm", ",shm", "shm,"])
+def test_transport_setting_parsers_agree(value):
+    from tf_rdma import settings  # pylint: disable=import-outside-toplevel
+
+    def chosen_by_the_engine(setting):
+        # Every transport is usable and the peer allows all three: the
+        # chooser's first allowed transport is chosen.
+        try:
+            return _native.choose_transport(identified("r", setting, True, "b", "n"),
+                                            identified("w", "auto", True, "b", "n"))["transport"]
+        except ConfigError:
+            return None
+
+    try:
+        normalized = settings.transport(env={"TF_RDMA_TRANSPORT": value})
+    except ConfigError:
+        assert chosen_by_the_engine(value) is None, value
+        return
+    assert chosen_by_the_engine(normalized) == settings.allowed_transports(normalized)[0]
+
+
 def make_segment(name, size=4096):
     path = f"/dev/shm/{name}"
     with open(path, "wb") as f:

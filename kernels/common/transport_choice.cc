@@ -115,7 +115,11 @@ Status ParseTransportSetting(const std::string& setting,
   }
   std::vector<std::string> names = Split(setting, ',');
   std::vector<std::string> seen;
-  bool ok = !names.empty();
+  // Split drops empty pieces; "shm,,tcp" or ",shm" is refused, as
+  // tf_rdma.settings refuses it.
+  bool ok = !names.empty() &&
+            names.size() == static_cast<size_t>(std::count(
+                                 setting.begin(), setting.end(), ',')) + 1;
   for (const std::string& t : names) {
     ok = ok && (t == "verbs" || t == "shm" || t == "tcp") && !Contains(seen, t);
     seen.push_back(t);

@@ -1839,7 +1839,7 @@ TEST(transport_setting_parse) {
   EXPECT_EQ(tf_rdma::Join(names, ","), std::string("verbs,shm,tcp"));
   EXPECT_OK(tf_rdma::ParseTransportSetting("tcp,shm", &names));
   EXPECT_EQ(tf_rdma::Join(names, ","), std::string("tcp,shm"));
-  for (const char* bad : {"", "rdma", "shm,shm", "auto,tcp", ","}) {
+  for (const char* bad : {"", "rdma", "shm,shm", "auto,tcp", ",", "shm,,tcp", ",shm", "shm,"}) {
     Status s = tf_rdma::ParseTransportSetting(bad, &names);
     EXPECT_CODE(s, kInvalidArgument);
     EXPECT_CONTAINS(s.message(), "is not auto or a list of verbs, shm, tcp");
