@@ -114,6 +114,8 @@ def base_env(extra=None):
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
+    if _softnic_for_this_test[0]:  # require_verbs() chose the emulated NIC
+        env = softnic_env(env)
     return env
 
 
@@ -250,16 +252,73 @@ def verbs_missing():
     return _verbs_missing[0]
 
 
+# Where this host has no usable RDMA port (this repository's CI), the data-path
+# tests run their verbs cases on softnic, the emulated NIC (tests/softnic/,
+# docs/verbs.md): require_verbs() then marks the current test so that
+# base_env() puts build/softnic first on its tasks' library path. Only the
+# tests that ask for verbs get it: the others, and test_verbs.py's checks of
+# a host without RDMA, keep the real libibverbs and its answer.
+SOFTNIC_DIR = os.path.join(REPO, "build", "softnic")
+_softnic_missing = []  # the answer of softnic_missing(), once computed
+_softnic_for_this_test = [False]
+
+
+def softnic_env(env=None):
+    """``env`` (default: this process's) with softnic first on LD_LIBRARY_PATH."""
+    env = dict(os.environ if env is None else env)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (SOFTNIC_DIR, env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+def softnic_missing():
+    """None when the engine can use verbs over softnic, else why not.
+
+    Asked of the engine in a child process with softnic on its library path
+    (this process keeps the libibverbs it loaded).
+    """
+    if not _softnic_missing:
+        if not os.path.exists(os.path.join(SOFTNIC_DIR, "libibverbs.so.1")):
+            missing = f"softnic is not built ({SOFTNIC_DIR}; `make softnic`)"
+        else:
+            code = ("import json; from tf_rdma import server; "
+                    "print('STATUS ' + json.dumps(server.verbs_status()))")
+            proc = subprocess.run([sys.executable, "-c", code], env=base_env(softnic_env()),
+                                  capture_output=True, text=True, timeout=120)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("STATUS ")]
+            if not lines:
+                missing = f"asking the engine about softnic failed: {proc.stderr[-1000:]}"
+            else:
+                status = json.loads(lines[-1][len("STATUS "):])
+                missing = (None if status["available"] else
+                           f"the engine cannot use softnic: {status['reason']}")
+        _softnic_missing.append(missing)
+    return _softnic_missing[0]
+
+
+@pytest.fixture(autouse=True)
+def _softnic_only_where_asked():
+    _softnic_for_this_test[0] = False
+    yield
+    _softnic_for_this_test[0] = False
+
+
 def require_verbs():
-    """Skips the calling test when verbs is not usable here (fails instead
-    under TF_RDMA_TEST_VERBS=1)."""
+    """Makes the calling test's tasks use verbs: the host's RDMA port where it
+    has a usable one, else softnic; skips when neither is usable (fails
+    instead under TF_RDMA_TEST_VERBS=1, which says this is an RDMA host and
+    never falls back to the emulation)."""
     missing = verbs_missing()
     if missing is None:
         return
     if os.environ.get("TF_RDMA_TEST_VERBS") == "1":
         pytest.fail(f"TF_RDMA_TEST_VERBS=1 but {missing}")
-    pytest.skip(f"verbs transport test: {missing}; on an RDMA host, "
-                f"TF_RDMA_TEST_VERBS=1 makes this skip a failure")
+    emulated = softnic_missing()
+    if emulated is None:
+        _softnic_for_this_test[0] = True
+        return
+    pytest.skip(f"verbs transport test: {missing}, and {emulated}; on an RDMA "
+                f"host, TF_RDMA_TEST_VERBS=1 makes this skip a failure")
 
 
 #: The transports whose data path the two-process tests exercise (verbs

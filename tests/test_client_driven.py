@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from conftest import (base_env, make_cluster, shm_segments, start_servers,
-                      stop_servers)
+from conftest import (DATA_PATH_TRANSPORTS, base_env, make_cluster, shm_segments,
+                      start_servers, stop_servers, use_transport)
+
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,8 +66,9 @@ print("RESULT " + json.dumps({"same": same}), flush=True)
 """
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", DATA_PATH_TRANSPORTS)
 def test_connect_to_cluster_send_recv(transport):
+    use_transport(transport)
     cluster = make_cluster(2)
     env = base_env({"TF_RDMA_TRANSPORT": transport})
     servers = start_servers(cluster, env)

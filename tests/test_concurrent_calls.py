@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from conftest import base_env, make_cluster, start_servers, stop_servers
+from conftest import (DATA_PATH_TRANSPORTS, base_env, make_cluster, start_servers,
+                      stop_servers, use_transport)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,8 +114,9 @@ def run_client(transport, threads, calls, extra=None, timeout=200):
     return plan, result, logs
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", DATA_PATH_TRANSPORTS)
 def test_concurrent_calls_get_their_own_tensors(transport):
+    use_transport(transport)
     plan, r, _ = run_client(transport, threads=4, calls=40)
     # Static and dynamic edges forward, a static edge back.
     assert [dynamic for _, dynamic in plan].count(True) == 1

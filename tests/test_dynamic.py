@@ -17,7 +17,7 @@ Each side prints RESULT lines; the test compares them.
 
 import pytest
 
-from conftest import make_cluster, run_tasks
+from conftest import DATA_PATH_TRANSPORTS, make_cluster, run_tasks, use_transport
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,8 +86,9 @@ else:
 """
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", DATA_PATH_TRANSPORTS)
 def test_dynamic_path(transport, tmp_path):
+    use_transport(transport)
     out = run_tasks({"worker:0": PROGRAM, "worker:1": PROGRAM},
                     cluster=make_cluster(2),
                     env={"TF_RDMA_TRANSPORT": transport,
