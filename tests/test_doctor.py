@@ -122,6 +122,31 @@ def test_json_report_validates_and_matches_this_machine(json_run):
         assert report["kernel"]["reason"].startswith("the kernel has no InfiniBand/RDMA support")
 
 
+def test_softnic_is_reported_as_emulated():
+    # softnic (tests/softnic/) through pyverbs: a device the engine can use,
+    # which the report must never pass off as hardware.
+    from conftest import SOFTNIC_DIR, softnic_env  # pylint: disable=import-outside-toplevel
+
+    if not os.path.exists(os.path.join(SOFTNIC_DIR, "libibverbs.so.1")):
+        pytest.fail("softnic is not built: `make install` builds it (make softnic)")
+    env = softnic_env()
+    run = _doctor("--json", "--cluster", json.dumps(LOCAL_CLUSTER), "--task", "worker:0",
+                  env_extra={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert validate(report, _schema()) == []
+    if not report["pyverbs"]["importable"]:
+        pytest.skip(f"pyverbs does not import here: {report['pyverbs']['error']}")
+    assert [d["name"] for d in report["devices"]] == ["softnic0"]
+    assert report["devices"][0]["emulated"] is True
+    gids = {g["index"]: g["type"] for g in report["devices"][0]["ports"][0]["gids"]}
+    assert gids[3] == "RoCE v2" and gids[2] == "RoCE v1"  # softnic's table: v1, v2 per address
+    assert report["transports"]["verbs"]["available"] is True
+    text = _doctor("--cluster", json.dumps(LOCAL_CLUSTER), "--task", "worker:0",
+                   env_extra={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+    assert "softnic0" in text.stdout and "EMULATED" in text.stdout, text.stdout
+
+
 def test_require_rdma_without_pyverbs_and_forced_tcp(require_run):
     report = json.loads(require_run.stdout)
     assert validate(report, _schema()) == []
@@ -201,6 +226,10 @@ def test_memlock_and_gid_helpers():
     assert rdma._gid_type_name("RoCE v2", "Ethernet") == "RoCE v2"
     assert rdma._gid_type_name("IB/RoCE v1", "Ethernet") == "RoCE v1"
     assert rdma._gid_type_name("IB/RoCE v1", "InfiniBand") == "IB"
+    # pyverbs' query_gid_type: enum ibv_gid_type_sysfs (1 is RoCE v2).
+    assert rdma._gid_type_name(1, "Ethernet") == "RoCE v2"
+    assert rdma._gid_type_name(0, "Ethernet") == "RoCE v1"
+    assert rdma._gid_type_name(0, "InfiniBand") == "IB"
 
 
 def test_validator_rejects_bad_reports():

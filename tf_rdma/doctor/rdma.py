@@ -273,16 +273,22 @@ def _gid_ip(gid_text):
 
 
 def _gid_type_name(raw, link_layer):
-    """Names a GID type from sysfs text or a pyverbs enum value."""
+    """Names a GID type from sysfs text or pyverbs' ``query_gid_type``.
+
+    sysfs says ``IB/RoCE v1`` or ``RoCE v2``; pyverbs returns libibverbs'
+    ``enum ibv_gid_type_sysfs`` as an int, where 0 is IB/RoCE v1 and 1 is
+    RoCE v2 (not ``enum ibv_gid_type``, where 1 would be RoCE v1).
+    """
+    ib_or_v1 = "IB" if link_layer == "InfiniBand" else "RoCE v1"
     if raw is None:
         return "IB" if link_layer == "InfiniBand" else "unknown"
+    if isinstance(raw, int):
+        return {0: ib_or_v1, 1: "RoCE v2"}.get(raw, "unknown")
     text = str(raw).strip().lower()
-    if "v2" in text or text == "2":
+    if "v2" in text:
         return "RoCE v2"
-    if "roce" in text or text == "1":
-        return "IB" if link_layer == "InfiniBand" else "RoCE v1"
-    if text in ("ib", "0"):
-        return "IB" if link_layer == "InfiniBand" else "RoCE v1"
+    if "roce" in text or text == "ib":
+        return ib_or_v1
     return "unknown"
 
 
@@ -343,12 +349,15 @@ def rdma_devices(pyverbs, sys_class=SYS_CLASS_INFINIBAND):
     for dev in listed:
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
         entry = {"name": name, "node_guid": None, "fw_version": None, "max_mr_size": None,
-                 "ports": [], "error": None}
+                 "emulated": False, "ports": [], "error": None}
         try:
             with pv_device.Context(name=name) as ctx:
                 attr = ctx.query_device()
                 entry["node_guid"] = str(attr.node_guid)
                 entry["fw_version"] = str(attr.fw_version)
+                # softnic (tests/softnic/, docs/verbs.md) says so in its
+                # firmware version: "softnic (emulated)".
+                entry["emulated"] = "(emulated)" in entry["fw_version"]
                 entry["max_mr_size"] = int(attr.max_mr_size)
                 for port_num in range(1, attr.phys_port_cnt + 1):
                     pattr = ctx.query_port(port_num)

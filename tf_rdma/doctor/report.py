@@ -21,7 +21,7 @@ from tf_rdma.doctor.transports import transport_choice
 __all__ = ["SCHEMA_VERSION", "SCHEMA_PATH", "build_report", "format_text"]
 
 #: Version of the JSON report's shape; bumped when a field changes meaning.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: The JSON Schema of the ``--json`` report, checked into the repository.
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -164,6 +164,8 @@ def format_text(report):
         out.append("devices:")
         for dev in report["devices"]:
             out.append(f"  {dev['name']}: max MR size {dev['max_mr_size']}, fw {dev['fw_version']}"
+                       + (" (EMULATED: softnic, a stand-in for tests; numbers over it say "
+                          "nothing about RDMA hardware)" if dev["emulated"] else "")
                        + (f", error {dev['error']}" if dev["error"] else ""))
             for p in dev["ports"]:
                 out.append(f"    port {p['port']}: {p['state']}, {p['link_layer']}, "
