@@ -375,7 +375,16 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
       return DeadlineExceeded(what + ": " + s.message());
     }
     Status alive = CheckPeerAlive(conn, what);
-    return alive.ok() ? s.Prefixed(what) : alive;
+    if (alive.ok()) return s.Prefixed(what);
+    // A peer that refuses a write (an RDMA access error) also closes the
+    // connection, often before this side has read its own completion: the
+    // write's failure names the cause, the closed connection only the
+    // consequence, so the error carries both.
+    if (alive.message().find(s.message()) == std::string::npos) {
+      return Status(alive.code(),
+                    alive.message() + "; the write failed: " + s.message());
+    }
+    return alive;
   }
   return Status::Ok();
 }
