@@ -491,8 +491,8 @@ def test_region_too_small(bad_input):
 
 # ---------------------------------------------------------------------------
 # A write the receiving NIC refuses (softnic's TF_RDMA_SOFTNIC_CORRUPT_RKEY:
-# the sender's first RDMA WRITE carries a key no region has). The sender must
-# name the cause, not only "connection lost".
+# the sender's first RDMA WRITE carries a key no region has). The cause must
+# be named, not only "connection lost".
 
 REFUSED_WRITE = """
 ep = start()
@@ -520,10 +520,15 @@ def test_refused_rdma_write_names_the_cause():
              "worker:1": spawn_task("worker:1", REFUSED_WRITE, cluster, env)}
     out = collect(procs, timeout=120)
     send = out["worker:0"].result["send"]
-    _assert_names(send, "'w'", PEER1, "remote access error")
-    # The receiver fails naming tensor and peer; whether it also names the
-    # access violation depends on which it reads first, the sender closing
-    # the connection or its own NIC's async event (a known gap: docs/verbs.md).
     recv = out["worker:1"].result["recv"]
+    _assert_names(send, "'w'", PEER1)
     _assert_names(recv, "'w'", PEER0)
-    assert recv["type"] == "UnavailableError", recv
+    assert send["type"] == recv["type"] == "UnavailableError", (send, recv)
+    # The cause reaches at least one end, whichever learns of it first: the
+    # writer from its completion (remote access error), the receiver from its
+    # NIC's async event (access violation). The other end may see only the
+    # closed connection: the writer when the receiver's close flushed its
+    # write before the NAK was read, the receiver when the writer's close
+    # came before its event (docs/verbs.md, Failures).
+    assert ("remote access error" in send["message"]
+            or "access violation" in recv["message"]), (send, recv)
