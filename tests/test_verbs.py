@@ -59,7 +59,7 @@ def test_plugin_is_built_and_only_it_links_libibverbs():
     assert not any(name.startswith("libibverbs") for name in _needed(CORE)), \
         "the core op library must load on machines without libibverbs"
     plugin = ctypes.CDLL(PLUGIN, mode=os.RTLD_LOCAL | os.RTLD_NOW)
-    assert hasattr(plugin, "tf_rdma_verbs_open_v1")
+    assert hasattr(plugin, "tf_rdma_verbs_open_v2")
 
 
 def test_engine_says_why_verbs_is_not_usable():
@@ -84,7 +84,7 @@ def test_missing_or_foreign_plugin_is_named(monkeypatch):
     monkeypatch.setenv("TF_RDMA_VERBS_LIBRARY", CORE)
     status = server.verbs_status(env={})
     assert not status["available"]
-    assert "has no tf_rdma_verbs_open_v1" in status["reason"] and "rebuild" in status["reason"]
+    assert "has no tf_rdma_verbs_open_v2" in status["reason"] and "rebuild" in status["reason"]
 
 
 @pytest.mark.parametrize("variable, value, allowed", [

@@ -47,13 +47,18 @@ def _int_in(lo, hi):
     return parse
 
 
-def _one_of(*allowed):
+def _choice(values):
+    """A word the user writes, mapped to what the engine reads."""
     def parse(name, raw):
-        if raw not in allowed:
+        if raw not in values:
             raise ConfigError(f"{name}={raw!r} is not one of "
-                              f"{', '.join(allowed)}")
-        return raw
+                              f"{', '.join(values)}")
+        return values[raw]
     return parse
+
+
+def _one_of(*allowed):
+    return _choice({word: word for word in allowed})
 
 
 def _device_name(name, raw):
@@ -93,14 +98,19 @@ VERBS_SETTINGS = (
                  "retries of an unacknowledged transfer before the pair "
                  "fails, in [0, 7]", "verbs_retry_count", _int_in(0, 7)),
     VerbsSetting("TF_RDMA_VERBS_QUEUE_DEPTH", "128",
-                 "size of each pair's send queue, in [4, 32768] (writes on a "
-                 "pair are serialized and keep at most 5 requests in flight, "
-                 "so more than 8 only reserves room)",
+                 "size of each pair's send queue, in [4, 32768]: it bounds the "
+                 "work requests in flight on a pair (each write posts a notice "
+                 "plus one request per GiB, or per MiB when staged)",
                  "verbs_queue_depth", _int_in(4, 32768)),
     VerbsSetting("TF_RDMA_VERBS_INLINE", "64",
                  "payloads up to this many bytes are posted inline (no DMA "
                  "read of the source), in [0, 1024]; capped at what the "
                  "device allows", "verbs_inline", _int_in(0, 1024)),
+    VerbsSetting("TF_RDMA_VERBS_ODP", "auto",
+                 "`auto`: where the device has implicit on-demand paging, "
+                 "writes read tensors where they lie (zero-copy); `off`: "
+                 "tensors TensorFlow allocated are copied into a registered "
+                 "staging area first", "verbs_odp", _choice({"auto": 1, "off": 0})),
 )
 
 #: Every environment variable tf_rdma reads, in the order the docs list them.

@@ -33,7 +33,8 @@ Status ParseVerbsSetting(const std::string& key, const std::string& value,
       {"verbs_timeout", &VerbsSettings::timeout},
       {"verbs_retry_count", &VerbsSettings::retry_count},
       {"verbs_queue_depth", &VerbsSettings::queue_depth},
-      {"verbs_inline", &VerbsSettings::inline_bytes}};
+      {"verbs_inline", &VerbsSettings::inline_bytes},
+      {"verbs_odp", &VerbsSettings::odp}};
   uint64_t number = 0;
   bool negative = !value.empty() && value[0] == '-';
   bool parsed = ParseUint(negative ? value.substr(1) : value, &number) &&

@@ -232,7 +232,19 @@ std::string Engine::Info() {
     out += std::string(first ? "" : ", ") + "{\"writer\": " +
            JsonString(c.dialed ? config_.task : c.peer) + ", \"reader\": " +
            JsonString(c.dialed ? c.peer : config_.task) +
-           ", \"transport\": " + JsonString(c.pair->transport()) + "}";
+           ", \"transport\": " + JsonString(c.pair->transport());
+    PairCounters n = c.pair->counters();
+    if (n.reported) {
+      out += ", \"counters\": {\"writes\": " + std::to_string(n.writes) +
+             ", \"bytes_in_place\": " + std::to_string(n.bytes_in_place) +
+             ", \"bytes_inline\": " + std::to_string(n.bytes_inline) +
+             ", \"bytes_staged\": " + std::to_string(n.bytes_staged) +
+             ", \"requests\": " + std::to_string(n.requests) +
+             ", \"signaled\": " + std::to_string(n.signaled) +
+             ", \"max_writes_in_flight\": " +
+             std::to_string(n.max_writes_in_flight) + "}";
+    }
+    out += "}";
     first = false;
   }
   out += "], \"regions\": [";

@@ -35,6 +35,8 @@ struct VerbsSettings {
   int retry_count = 7;       // 0..7
   int queue_depth = 128;     // send work requests per pair, 4..32768
   int inline_bytes = 64;     // payloads this small are posted inline, 0..1024
+  int odp = 1;               // 1 = implicit on-demand paging when the device
+                             // has it (zero-copy sends), 0 = never
   uint64_t min_memlock = 64ull << 20;  // below this (and without
                                        // CAP_IPC_LOCK) verbs is not usable
   std::string local_host;    // the host this endpoint listens on

@@ -103,6 +103,19 @@ class RemoteRegions {
   std::vector<RegionDescriptor> regions_;
 };
 
+// What a pair's writes did, for endpoint_info() (the backends that count
+// them: verbs). Bytes are payload bytes by where the NIC read them from.
+struct PairCounters {
+  bool reported = false;        // this backend counts
+  uint64_t writes = 0;          // writes posted
+  uint64_t bytes_in_place = 0;  // read where they lay (no copy)
+  uint64_t bytes_inline = 0;    // copied into the work request
+  uint64_t bytes_staged = 0;    // copied into a staging area first
+  uint64_t requests = 0;        // work requests posted
+  uint64_t signaled = 0;        // of which asked for a completion
+  uint64_t max_writes_in_flight = 0;  // the most writes posted, not done
+};
+
 // One connected peer. Both ends of a connection hold one: the writer of data
 // writes payloads through it, the reader writes credits back through it.
 class Pair {
@@ -144,6 +157,8 @@ class Pair {
   // host, and if it dies its segments stay in this host's /dev/shm until a
   // collection removes them (the engine runs one when the connection drops).
   virtual bool maps_peer_segments() const { return false; }
+  // What its writes did so far.
+  virtual PairCounters counters() { return PairCounters(); }
 };
 
 // Returns the local region a peer may write with this id, or nullptr.

@@ -351,10 +351,11 @@ bool Settings::FromEnvironment(Settings* s, std::string* why) {
       return false;
     }
   }
-  int64_t lid = s->lid, mtu = 4096, devices = 1;
+  int64_t lid = s->lid, mtu = 4096, devices = 1, odp = 1;
   if (!ParseInt("TF_RDMA_SOFTNIC_LID", 1, 0xbfff, &lid, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_MTU", 256, 4096, &mtu, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_DEVICES", 0, 1, &devices, why) ||
+      !ParseInt("TF_RDMA_SOFTNIC_ODP", 0, 1, &odp, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_DELAY_US", 0, 60000000, &s->delay_us, why) ||
       !ParseInt("TF_RDMA_SOFTNIC_SEND_DELAY_US", 0, 60000000, &s->send_delay_us,
                 why) ||
@@ -366,6 +367,7 @@ bool Settings::FromEnvironment(Settings* s, std::string* why) {
   }
   s->lid = static_cast<uint16_t>(lid);
   s->devices = devices == 1;
+  s->odp = odp == 1;
   switch (mtu) {
     case 256: s->mtu = IBV_MTU_256; break;
     case 512: s->mtu = IBV_MTU_512; break;

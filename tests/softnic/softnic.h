@@ -29,7 +29,8 @@
 // ibv_reg_mr(3), ...); each rule cites its source where it is implemented.
 // What is not emulated fails loudly (EOPNOTSUPP, or EINVAL where the
 // kernel would): UD/UC/XRC queue pairs, SRQs, RDMA READ and atomics, memory
-// windows, address handles, SQD/SQE states, on-demand paging.
+// windows, address handles, SQD/SQE states, on-demand paging on the
+// responder side (ODP memory as an RDMA target).
 //
 // Knobs (environment, read when the first process-wide state is created):
 //   TF_RDMA_SOFTNIC_LINK        roce (default) | ib
@@ -37,6 +38,9 @@
 //   TF_RDMA_SOFTNIC_MTU         the port's active MTU in bytes (default 4096)
 //   TF_RDMA_SOFTNIC_PORT_STATE  active (default) | down
 //   TF_RDMA_SOFTNIC_DEVICES     1 (default) | 0: no device at all
+//   TF_RDMA_SOFTNIC_ODP         1 (default) | 0: no on-demand paging (the
+//                               device then advertises none, as rxe or
+//                               older NICs)
 //   TF_RDMA_SOFTNIC_DIR         the host-wide directory of QP numbers and
 //                               sockets (default /tmp/tf_rdma-softnic-<uid>)
 //   TF_RDMA_SOFTNIC_DELAY_US    the responder waits this long before
@@ -104,6 +108,7 @@ struct Settings {
   int64_t send_delay_us = 0;
   int64_t drop_after = -1;
   int64_t corrupt_rkey = -1;
+  bool odp = true;  // implicit on-demand paging for RC SEND and RDMA WRITE
 
   // Reads the environment; false (with *why) on a malformed value.
   static bool FromEnvironment(Settings* out, std::string* why);
@@ -140,6 +145,7 @@ class Mr {
   int access = 0;
   int busy = 0;           // placements or transmissions using it now
   uint64_t pinned = 0;    // bytes counted against RLIMIT_MEMLOCK
+  bool implicit = false;  // implicit ODP: covers every address
 };
 
 struct Channel {

@@ -146,12 +146,25 @@ void FillDeviceAttr(ibv_device_attr* a) {
   a->phys_port_cnt = 1;
 }
 
-int QueryDeviceEx(ibv_context*, const ibv_query_device_ex_input* input,
+int QueryDeviceEx(ibv_context* context, const ibv_query_device_ex_input* input,
                   ibv_device_attr_ex* attr, size_t attr_size) {
   if (input != nullptr && input->comp_mask != 0) return EINVAL;
   if (attr_size < sizeof(attr->orig_attr)) return EINVAL;
   memset(attr, 0, attr_size);
   FillDeviceAttr(&attr->orig_attr);
+  // On-demand paging (TF_RDMA_SOFTNIC_ODP, on by default as on mlx5): the
+  // send engine reads a requester's local buffer when it transmits, which
+  // is what an ODP NIC does after faulting the pages in; RC SEND and RDMA
+  // WRITE may read ODP memory, and the implicit (whole address space) MR
+  // exists. The responder side (ODP targets) is not offered.
+  if (NicOf(context)->settings.odp &&
+      attr_size >= offsetof(ibv_device_attr_ex, odp_caps) +
+                       sizeof(attr->odp_caps)) {
+    attr->odp_caps.general_caps =
+        IBV_ODP_SUPPORT | IBV_ODP_SUPPORT_IMPLICIT;
+    attr->odp_caps.per_transport_caps.rc_odp_caps =
+        IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_WRITE;
+  }
   return 0;
 }
 
@@ -165,6 +178,7 @@ bool LocalRangeOk(Nic* nic, Qp* qp, const ibv_sge& sge) {
   auto it = nic->mrs.find(sge.lkey);
   if (it == nic->mrs.end()) return false;
   Mr* mr = it->second;
+  if (mr->implicit) return mr->pd == qp->pd;
   uint64_t lo = reinterpret_cast<uintptr_t>(mr->mr.addr);
   return mr->pd == qp->pd && sge.addr >= lo &&
          sge.addr + sge.length <= lo + mr->mr.length;
@@ -640,7 +654,11 @@ ibv_mr* ibv_reg_mr_iova2(ibv_pd* ibpd, void* addr, size_t length, uint64_t iova,
       IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_ZERO_BASED |
       IBV_ACCESS_ON_DEMAND | IBV_ACCESS_HUGETLB;
   uint64_t start = reinterpret_cast<uintptr_t>(addr);
-  if ((access & ~known) != 0 || length == 0 || start + length < start) {
+  // ibv_reg_mr(3), implicit ODP: addr NULL, length SIZE_MAX, ON_DEMAND.
+  bool on_demand = (access & IBV_ACCESS_ON_DEMAND) != 0;
+  bool implicit = on_demand && addr == nullptr && length == SIZE_MAX;
+  if ((access & ~known) != 0 || length == 0 ||
+      (!implicit && start + length < start)) {
     errno = EINVAL;
     return nullptr;
   }
@@ -650,23 +668,30 @@ ibv_mr* ibv_reg_mr_iova2(ibv_pd* ibpd, void* addr, size_t length, uint64_t iova,
     errno = EINVAL;
     return nullptr;
   }
-  if ((access & (IBV_ACCESS_ON_DEMAND | IBV_ACCESS_ZERO_BASED)) ||
-      iova != start) {
-    errno = EOPNOTSUPP;  // no on-demand paging, no zero-based or other IOVAs
+  // ODP only where the knob offers it, and only for local access: the
+  // device advertises no responder-side ODP (QueryDeviceEx).
+  if ((on_demand && (!nic->settings.odp ||
+                     (access & (IBV_ACCESS_REMOTE_WRITE |
+                                IBV_ACCESS_REMOTE_READ |
+                                IBV_ACCESS_REMOTE_ATOMIC)))) ||
+      (access & IBV_ACCESS_ZERO_BASED) || (!implicit && iova != start)) {
+    errno = EOPNOTSUPP;  // no zero-based or other IOVAs
     return nullptr;
   }
   bool write = access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
                          IBV_ACCESS_REMOTE_ATOMIC);
-  if (!RangeMapped(start, length, write)) {
+  if (!on_demand && !RangeMapped(start, length, write)) {
     errno = EFAULT;  // get_user_pages would fail
     return nullptr;
   }
-  uint64_t pages = PageRound(start, length);
+  // ODP pins nothing: pages are faulted in as the NIC touches them.
+  uint64_t pages = on_demand ? 0 : PageRound(start, length);
   std::lock_guard<std::mutex> lock(nic->mu);
   // The kernel pins the pages and charges them to RLIMIT_MEMLOCK unless the
   // process has CAP_IPC_LOCK (ib_umem_get): ENOMEM above the limit.
   struct rlimit limit;
-  if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+  if (!on_demand && getrlimit(RLIMIT_MEMLOCK, &limit) == 0 &&
+      limit.rlim_cur != RLIM_INFINITY &&
       nic->pinned_bytes + pages > limit.rlim_cur && !HasIpcLock()) {
     errno = ENOMEM;
     return nullptr;
@@ -695,6 +720,7 @@ ibv_mr* ibv_reg_mr_iova2(ibv_pd* ibpd, void* addr, size_t length, uint64_t iova,
   mr->pd = ToPd(ibpd);
   mr->access = static_cast<int>(access);
   mr->pinned = pages;
+  mr->implicit = implicit;
   nic->pinned_bytes += pages;
   nic->mrs[key] = mr;
   ++mr->pd->users;

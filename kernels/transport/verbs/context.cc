@@ -49,6 +49,7 @@ Status CheckSettings(const VerbsSettings& s) {
       CheckRange("TF_RDMA_VERBS_RETRY_COUNT", s.retry_count, 0, 7));
   TF_RDMA_RETURN_IF_ERROR(
       CheckRange("TF_RDMA_VERBS_QUEUE_DEPTH", s.queue_depth, 4, 32768));
+  TF_RDMA_RETURN_IF_ERROR(CheckRange("TF_RDMA_VERBS_ODP", s.odp, 0, 1));
   return CheckRange("TF_RDMA_VERBS_INLINE", s.inline_bytes, 0, 1024);
 }
 
@@ -243,6 +244,7 @@ Status Context::Open(const VerbsSettings& settings,
     return Unavailable(Strerror("ibv_alloc_pd on " + c->name_, errno));
   }
   TF_RDMA_RETURN_IF_ERROR(c->ChooseGid());
+  c->OpenOnDemandPaging();
   // Last, so that a machine without a device says so first.
   TF_RDMA_RETURN_IF_ERROR(CheckMemlock(settings.min_memlock));
   *out = std::move(c);
@@ -377,7 +379,41 @@ Status Context::ChooseGid() {
   return Status::Ok();
 }
 
+void Context::OpenOnDemandPaging() {
+  // Implicit on-demand paging (ibv_reg_mr(3), "implicit ODP"): one memory
+  // region over the whole address space, whose pages the NIC faults in as
+  // it reads them and whose translations the kernel invalidates when a
+  // mapping changes (MMU notifiers). Writers can then send any tensor where
+  // it lies, with no copy and no registration per buffer, and no risk of
+  // reading stale pages after TensorFlow frees and the allocator reuses an
+  // address. Needs the device to support it for RC requests that read
+  // local memory (SEND and RDMA WRITE; mlx5 from ConnectX-4 does).
+  if (!settings_.odp) {
+    odp_what_ = "off (TF_RDMA_VERBS_ODP=off)";
+    return;
+  }
+  ibv_device_attr_ex attr;
+  std::memset(&attr, 0, sizeof(attr));
+  const uint32_t rc_needed = IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_WRITE;
+  if (ibv_query_device_ex(context_, nullptr, &attr) != 0 ||
+      !(attr.odp_caps.general_caps & IBV_ODP_SUPPORT_IMPLICIT) ||
+      (attr.odp_caps.per_transport_caps.rc_odp_caps & rc_needed) !=
+          rc_needed) {
+    odp_what_ = "not supported by the device (writes from tensors are staged)";
+    return;
+  }
+  odp_mr_ = ibv_reg_mr(pd_, nullptr, SIZE_MAX,
+                       IBV_ACCESS_ON_DEMAND | IBV_ACCESS_LOCAL_WRITE);
+  if (odp_mr_ == nullptr) {
+    odp_what_ = Strerror("registration failed", errno) +
+                " (writes from tensors are staged)";
+    return;
+  }
+  odp_what_ = "implicit";
+}
+
 Context::~Context() {
+  if (odp_mr_ != nullptr) ibv_dereg_mr(odp_mr_);
   for (auto& kv : registered_) ibv_dereg_mr(kv.second);
   if (pd_ != nullptr) ibv_dealloc_pd(pd_);
   if (context_ != nullptr) ibv_close_device(context_);
@@ -386,7 +422,8 @@ Context::~Context() {
 std::string Context::Describe() const {
   return name_ + " port " + std::to_string(port_) + ", " +
          (ethernet_ ? "RoCE" : "InfiniBand") + ", " + gid_what_ + ", MTU " +
-         std::to_string(128 << static_cast<int>(mtu_));
+         std::to_string(128 << static_cast<int>(mtu_)) + ", on-demand paging " +
+         odp_what_;
 }
 
 Status Context::NewPair(std::unique_ptr<VerbsPair>* out) {
@@ -460,10 +497,15 @@ bool Context::FindLocal(const void* data, uint64_t nbytes, uint32_t* lkey) {
   uintptr_t start = reinterpret_cast<uintptr_t>(data);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = registered_.upper_bound(start);
-  if (it == registered_.begin()) return false;
-  --it;
-  if (start + nbytes > it->first + it->second->length) return false;
-  *lkey = it->second->lkey;
+  if (it != registered_.begin()) {
+    --it;
+    if (start + nbytes <= it->first + it->second->length) {
+      *lkey = it->second->lkey;
+      return true;
+    }
+  }
+  if (odp_mr_ == nullptr) return false;
+  *lkey = odp_mr_->lkey;
   return true;
 }
 
@@ -473,7 +515,7 @@ bool Context::FindLocal(const void* data, uint64_t nbytes, uint32_t* lkey) {
 // The plugin's entry point (transport/verbs/device.h). Nothing may throw
 // across it.
 extern "C" __attribute__((visibility("default"))) tf_rdma::VerbsDevice*
-tf_rdma_verbs_open_v1(uint64_t abi, const tf_rdma::VerbsSettings& settings,
+tf_rdma_verbs_open_v2(uint64_t abi, const tf_rdma::VerbsSettings& settings,
                       tf_rdma::Status* why) {
   if (abi != tf_rdma::kVerbsAbi) {
     *why = tf_rdma::Unavailable(

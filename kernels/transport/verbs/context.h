@@ -38,7 +38,9 @@ class Context : public VerbsDevice {
   // Registers [data, data + size) for local and remote writes, once; later
   // calls return the same key.
   Status Register(const uint8_t* data, uint64_t size, uint32_t* rkey);
-  // The local key of a registered range that holds [data, data + nbytes).
+  // The local key the NIC may read [data, data + nbytes) with: a
+  // registered range that holds it, else the implicit on-demand-paging
+  // region when the device has one; false when the bytes must be staged.
   bool FindLocal(const void* data, uint64_t nbytes, uint32_t* lkey);
   // Why queue pair `qp_num` entered the error state when the device said so
   // with an affiliated asynchronous event (e.g. the peer wrote outside a
@@ -60,6 +62,7 @@ class Context : public VerbsDevice {
   Context() = default;
   Status ChoosePort();
   Status ChooseGid();
+  void OpenOnDemandPaging();  // odp_mr_, or odp_what_ says why not
 
   VerbsSettings settings_;
   std::set<uint32_t> local_;  // IPv4 addresses of settings_.local_host
@@ -75,6 +78,8 @@ class Context : public VerbsDevice {
   ibv_gid gid_ = {};
   ibv_mtu mtu_ = IBV_MTU_1024;
   uint32_t max_message_ = 1u << 30;
+  ibv_mr* odp_mr_ = nullptr;  // implicit on-demand paging, when available
+  std::string odp_what_;      // "implicit", or why not, for Describe
 
   std::mutex mu_;
   std::map<uintptr_t, ibv_mr*> registered_;  // by start address

@@ -48,10 +48,11 @@ class VerbsDevice {
 // `abi` is kVerbsAbi as the core was compiled: the sizes of the types that
 // cross the boundary, so that a plugin built from other sources is refused
 // even when its entry point has the same name.
-#define TF_RDMA_VERBS_ENTRY "tf_rdma_verbs_open_v1"
+#define TF_RDMA_VERBS_ENTRY "tf_rdma_verbs_open_v2"
 constexpr uint64_t kVerbsAbi =
     (sizeof(VerbsSettings) << 32) | (sizeof(Status) << 16) |
-    (sizeof(RegionDescriptor) << 8) | sizeof(Notice);
+    (sizeof(RegionDescriptor) << 8) | sizeof(Notice) |
+    (static_cast<uint64_t>(sizeof(PairCounters)) << 56);
 using VerbsOpenFn = VerbsDevice* (*)(uint64_t abi,
                                      const VerbsSettings& settings,
                                      Status* why);

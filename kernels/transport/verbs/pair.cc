@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "kernels/common/wait.h"
 
@@ -31,9 +32,11 @@ static_assert(sizeof(Notice) <= kReceiveBytes, "a notice fits a receive");
 // flight (the copy of one overlaps the transfer of the others).
 constexpr uint64_t kStagingChunkBytes = 1 << 20;
 constexpr int kStagingChunks = 4;
-// Work request ids on the send queue: staging chunk i is i; the rest are
-// payloads from registered memory or inline, and notices.
-constexpr uint64_t kOtherWr = ~0ull;
+// A waiting writer reaps completions itself this long before it sleeps.
+constexpr auto kSpin = std::chrono::microseconds(50);
+// The longest a sleeping writer goes without looking at the queue itself,
+// should the progress thread be busy or gone.
+constexpr auto kNap = std::chrono::milliseconds(1);
 
 std::string Strerror(const std::string& what, int err) {
   return what + ": " + std::strerror(err);
@@ -115,21 +118,26 @@ Status Pair::Init() {
     return Internal(Strerror("making the completion channel non-blocking",
                              errno));
   }
+  queue_depth_ = static_cast<uint64_t>(s.queue_depth);
+  // Both queues report to the channel: the progress thread reaps send
+  // completions for writers that went to sleep (pair.h).
   send_cq_ = ibv_create_cq(context_->context(), s.queue_depth, nullptr,
-                           nullptr, 0);
+                           channel_, 0);
   recv_cq_ = ibv_create_cq(context_->context(), kReceives, nullptr, channel_,
                            0);
   if (send_cq_ == nullptr || recv_cq_ == nullptr) {
     return Internal(Strerror("ibv_create_cq", errno));
   }
-  int armed = ibv_req_notify_cq(recv_cq_, 0);
-  if (armed != 0) return Internal(Strerror("ibv_req_notify_cq", armed));
+  for (ibv_cq* cq : {send_cq_, recv_cq_}) {
+    int armed = ibv_req_notify_cq(cq, 0);
+    if (armed != 0) return Internal(Strerror("ibv_req_notify_cq", armed));
+  }
   ibv_qp_init_attr init;
   std::memset(&init, 0, sizeof(init));
   init.send_cq = send_cq_;
   init.recv_cq = recv_cq_;
   init.qp_type = IBV_QPT_RC;
-  init.sq_sig_all = 1;
+  init.sq_sig_all = 0;  // selective signalling (pair.h)
   init.cap.max_send_wr = s.queue_depth;
   init.cap.max_recv_wr = kReceives;
   init.cap.max_send_sge = 1;
@@ -162,15 +170,16 @@ Status Pair::Init() {
                                          IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
   if (rc != 0) return Internal(Strerror("moving the queue pair to INIT", rc));
 
+  uint64_t notice_bytes = queue_depth_ * sizeof(Notice);
   receives_ = AllocatePages(kReceives * kReceiveBytes);
-  notice_ = reinterpret_cast<Notice*>(AllocatePages(4096));
-  if (receives_ == nullptr || notice_ == nullptr) {
+  notices_ = reinterpret_cast<Notice*>(AllocatePages(notice_bytes));
+  if (receives_ == nullptr || notices_ == nullptr) {
     return Internal("out of memory for the verbs pair's buffers");
   }
   receives_mr_ = ibv_reg_mr(context_->pd(), receives_, kReceives * kReceiveBytes,
                             IBV_ACCESS_LOCAL_WRITE);
-  notice_mr_ = ibv_reg_mr(context_->pd(), notice_, 4096, 0);
-  if (receives_mr_ == nullptr || notice_mr_ == nullptr) {
+  notices_mr_ = ibv_reg_mr(context_->pd(), notices_, notice_bytes, 0);
+  if (receives_mr_ == nullptr || notices_mr_ == nullptr) {
     return Internal(Strerror("registering the verbs pair's buffers", errno));
   }
   for (int i = 0; i < kReceives; ++i) {
@@ -189,11 +198,11 @@ Pair::~Pair() {
   if (send_cq_ != nullptr) ibv_destroy_cq(send_cq_);
   if (recv_cq_ != nullptr) ibv_destroy_cq(recv_cq_);
   if (channel_ != nullptr) ibv_destroy_comp_channel(channel_);
-  for (ibv_mr* mr : {receives_mr_, notice_mr_, staging_mr_}) {
+  for (ibv_mr* mr : {receives_mr_, notices_mr_, staging_mr_}) {
     if (mr != nullptr) ibv_dereg_mr(mr);
   }
   std::free(receives_);
-  std::free(notice_);
+  std::free(notices_);
   std::free(staging_);
 }
 
@@ -303,31 +312,50 @@ Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
 }
 
 // ---------------------------------------------------------------------------
-// Writing.
+// Writing (pair.h has the essay: many writes in flight, selective
+// signalling, who reaps).
 
 Status Pair::Fail(const Status& why) {
-  // Caller holds write_mu_.
+  // Caller holds mu_.
   if (error_.ok()) error_ = why;
   closed_ = true;
   return error_;
 }
 
-Status Pair::Drain(int left, const Deadline& deadline) {
-  // Caller holds write_mu_. Completions usually arrive within microseconds;
-  // after a short spin the thread sleeps between polls, so a large transfer
-  // (256 MiB is ~20 ms at 100 Gb/s) does not burn a core.
-  auto spin_until = Clock::now() + std::chrono::microseconds(50);
-  while (outstanding_ > left) {
-    ibv_wc wc[16];
-    int n = ibv_poll_cq(send_cq_, 16, wc);
-    if (n < 0) return Fail(Internal("polling the send completion queue"));
-    for (int i = 0; i < n; ++i) {
-      --outstanding_;
-      if (wc[i].wr_id < staging_busy_.size()) staging_busy_[wc[i].wr_id] = false;
-      if (wc[i].status != IBV_WC_SUCCESS) Fail(CompletionError(wc[i]));
+bool Pair::Reap() {
+  // Caller holds mu_. RC completes requests in post order, so a completion
+  // retires its request and every one before it.
+  ibv_wc wc[16];
+  int n = ibv_poll_cq(send_cq_, 16, wc);
+  if (n < 0) {
+    Fail(Internal("polling the send completion queue"));
+    return false;
+  }
+  for (int i = 0; i < n; ++i) {
+    uint64_t number = wc[i].wr_id;
+    if (wc[i].status != IBV_WC_SUCCESS && failed_ == 0) {
+      failed_ = number;
+      Fail(CompletionError(wc[i]));
     }
-    if (n > 0) continue;
-    if (!error_.ok() && closed_) return error_;
+    completed_ = std::max(completed_, number);
+  }
+  if (n > 0) reaped_.notify_all();
+  return n > 0;
+}
+
+template <typename Ready>
+Status Pair::AwaitSend(const Ready& ready, const Deadline& deadline,
+                       std::unique_lock<std::mutex>* lock) {
+  // Caller holds mu_. Completions usually arrive within microseconds: spin
+  // on the queue first; a long transfer (256 MiB is ~20 ms at 100 Gb/s)
+  // then sleeps until the progress thread reaps, instead of burning a core.
+  auto spin_until = Clock::now() + kSpin;
+  while (!ready()) {
+    if (Reap()) continue;
+    if (failed_ != 0 || (closed_ && posted_ == completed_)) {
+      // Nothing more will complete; the caller's check says for whom.
+      return ready() ? Status::Ok() : error_;
+    }
     if (deadline.Expired()) {
       Fail(DeadlineExceeded("the peer's NIC did not acknowledge an RDMA "
                             "transfer within " +
@@ -338,38 +366,88 @@ Status Pair::Drain(int left, const Deadline& deadline) {
       ibv_modify_qp(qp_, &attr, IBV_QP_STATE);
       return error_;
     }
-    if (Clock::now() > spin_until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (Clock::now() < spin_until) {
+      lock->unlock();
+      std::this_thread::yield();
+      lock->lock();
+      continue;
     }
+    reaped_.wait_until(*lock, std::min(Clock::now() + kNap, deadline.at()));
   }
-  return error_;
+  return Status::Ok();
 }
 
-Status Pair::ReapSendFailure() {
-  // Caller holds write_mu_. The queue pair is in the error state, so every
-  // outstanding send request has its completion already: no waiting.
-  while (error_.ok() && outstanding_ > 0) {
-    ibv_wc wc[16];
-    int n = ibv_poll_cq(send_cq_, 16, wc);
-    if (n <= 0) break;
-    for (int i = 0; i < n; ++i) {
-      --outstanding_;
-      if (wc[i].wr_id < staging_busy_.size()) staging_busy_[wc[i].wr_id] = false;
-      if (wc[i].status != IBV_WC_SUCCESS) Fail(CompletionError(wc[i]));
-    }
+bool Pair::Outcome(uint64_t first, uint64_t last, Status* out) const {
+  // Caller holds mu_.
+  if (failed_ != 0 && last >= failed_) {
+    *out = first <= failed_
+               ? error_
+               : Unavailable("an earlier RDMA write on this connection "
+                             "failed, so this one was not delivered: " +
+                             error_.message());
+    return true;
   }
-  return error_;
+  if (completed_ >= last) {
+    *out = Status::Ok();
+    return true;
+  }
+  if (closed_ && !error_.ok() && completed_ == posted_) {
+    *out = error_;  // failed before its requests could complete
+    return true;
+  }
+  return false;
 }
 
-Status Pair::Post(ibv_send_wr* wr, const Deadline& deadline) {
-  // Caller holds write_mu_. Keeps the send queue within its depth.
-  TF_RDMA_RETURN_IF_ERROR(
-      Drain(context_->settings().queue_depth - 1, deadline));
+Status Pair::Post(ibv_send_wr* wr, bool signal, const Deadline& deadline,
+                  std::unique_lock<std::mutex>* lock, uint64_t* number) {
+  // Caller holds mu_. Keeps the send queue within its depth; at most half
+  // of it runs unsignalled, so a full queue always holds a request whose
+  // completion makes room.
+  TF_RDMA_RETURN_IF_ERROR(AwaitSend(
+      [&] { return posted_ - completed_ < queue_depth_ || !error_.ok(); },
+      deadline, lock));
+  if (!error_.ok()) return error_;
+  if (unsignaled_ + 1 >= queue_depth_ / 2) signal = true;
+  *number = posted_ + 1;
+  wr->wr_id = *number;
+  wr->send_flags = (wr->send_flags & ~IBV_SEND_SIGNALED) |
+                   (signal ? IBV_SEND_SIGNALED : 0);
   ibv_send_wr* bad = nullptr;
   int rc = ibv_post_send(qp_, wr, &bad);
   if (rc != 0) return Fail(Unavailable(Strerror("ibv_post_send", rc)));
-  ++outstanding_;
+  posted_ = *number;
+  unsignaled_ = signal ? 0 : unsignaled_ + 1;
+  ++counters_.requests;
+  if (signal) ++counters_.signaled;
   return Status::Ok();
+}
+
+Status Pair::StagingBuffer(uint64_t* chunk, const Deadline& deadline,
+                           std::unique_lock<std::mutex>* lock) {
+  // Caller holds mu_. Any chunk whose last reader completed will do.
+  if (staging_ == nullptr) {
+    staging_ = AllocatePages(kStagingChunkBytes * kStagingChunks);
+    if (staging_ == nullptr) return Internal("out of memory for staging");
+    staging_mr_ = ibv_reg_mr(context_->pd(), staging_,
+                             kStagingChunkBytes * kStagingChunks, 0);
+    if (staging_mr_ == nullptr) {
+      std::free(staging_);
+      staging_ = nullptr;
+      return Internal(Strerror("registering the staging area", errno));
+    }
+    staging_users_.assign(kStagingChunks, 0);
+  }
+  auto free_chunk = [&] {
+    for (uint64_t i = 0; i < staging_users_.size(); ++i) {
+      if (staging_users_[i] <= completed_) {
+        *chunk = i;
+        return true;
+      }
+    }
+    return !error_.ok();
+  };
+  TF_RDMA_RETURN_IF_ERROR(AwaitSend(free_chunk, deadline, lock));
+  return error_;
 }
 
 Status Pair::Write(int handle, uint64_t offset, const void* src,
@@ -378,7 +456,7 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   RegionDescriptor region;
   TF_RDMA_RETURN_IF_ERROR(
       remote_.Find(handle, offset, nbytes, notice_offset, &region));
-  std::lock_guard<std::mutex> lock(write_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
     ReleaseStaging();
     return error_.ok() ? Unavailable("the verbs connection was closed")
@@ -386,82 +464,105 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   }
   ibv_sge sge;
   ibv_send_wr wr;
-  auto prepare = [&](uint64_t wr_id, ibv_wr_opcode opcode, const void* from,
-                     uint64_t length, uint32_t lkey, bool inline_it) {
+  auto prepare = [&](ibv_wr_opcode opcode, const void* from, uint64_t length,
+                     uint32_t lkey, bool inline_it) {
     std::memset(&wr, 0, sizeof(wr));
     sge.addr = reinterpret_cast<uintptr_t>(from);
     sge.length = static_cast<uint32_t>(length);
     sge.lkey = lkey;
-    wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = opcode;
-    wr.send_flags = IBV_SEND_SIGNALED | (inline_it ? IBV_SEND_INLINE : 0);
+    wr.send_flags = inline_it ? IBV_SEND_INLINE : 0;
+  };
+  auto target = [&](uint64_t done) {
+    wr.wr.rdma.remote_addr = region.remote_addr + offset + done;
+    wr.wr.rdma.rkey = region.rkey;
   };
   const uint8_t* from = static_cast<const uint8_t*>(src);
+  uint64_t first = posted_ + 1;
+  uint64_t number = 0;
   uint32_t lkey = 0;
+  Status s;
   if (nbytes > 0 && nbytes <= payload_inline_) {
-    prepare(kOtherWr, IBV_WR_RDMA_WRITE, from, nbytes, 0, true);
-    wr.wr.rdma.remote_addr = region.remote_addr + offset;
-    wr.wr.rdma.rkey = region.rkey;
-    TF_RDMA_RETURN_IF_ERROR(Post(&wr, deadline));
+    prepare(IBV_WR_RDMA_WRITE, from, nbytes, 0, true);
+    target(0);
+    s = Post(&wr, false, deadline, &lock, &number);
+    if (s.ok()) counters_.bytes_inline += nbytes;
   } else if (nbytes > 0 && context_->FindLocal(src, nbytes, &lkey)) {
-    for (uint64_t done = 0; done < nbytes; done += max_message_) {
+    for (uint64_t done = 0; s.ok() && done < nbytes; done += max_message_) {
       uint64_t length = std::min<uint64_t>(max_message_, nbytes - done);
-      prepare(kOtherWr, IBV_WR_RDMA_WRITE, from + done, length, lkey, false);
-      wr.wr.rdma.remote_addr = region.remote_addr + offset + done;
-      wr.wr.rdma.rkey = region.rkey;
-      TF_RDMA_RETURN_IF_ERROR(Post(&wr, deadline));
+      prepare(IBV_WR_RDMA_WRITE, from + done, length, lkey, false);
+      target(done);
+      s = Post(&wr, false, deadline, &lock, &number);
     }
+    if (s.ok()) counters_.bytes_in_place += nbytes;
   } else if (nbytes > 0) {
-    if (staging_ == nullptr) {
-      staging_ = AllocatePages(kStagingChunkBytes * kStagingChunks);
-      if (staging_ == nullptr) return Internal("out of memory for staging");
-      staging_mr_ = ibv_reg_mr(context_->pd(), staging_,
-                               kStagingChunkBytes * kStagingChunks, 0);
-      if (staging_mr_ == nullptr) {
-        return Internal(Strerror("registering the staging area", errno));
-      }
-      staging_busy_.assign(kStagingChunks, false);
-    }
-    uint64_t chunk = 0;
-    for (uint64_t done = 0; done < nbytes; done += kStagingChunkBytes) {
+    for (uint64_t done = 0; s.ok() && done < nbytes;
+         done += kStagingChunkBytes) {
       uint64_t length = std::min<uint64_t>(kStagingChunkBytes, nbytes - done);
-      while (staging_busy_[chunk]) {
-        TF_RDMA_RETURN_IF_ERROR(Drain(outstanding_ - 1, deadline));
-      }
+      uint64_t chunk = 0;
+      s = StagingBuffer(&chunk, deadline, &lock);
+      if (!s.ok()) break;
       uint8_t* buffer = staging_ + chunk * kStagingChunkBytes;
       std::memcpy(buffer, from + done, length);
-      prepare(chunk, IBV_WR_RDMA_WRITE, buffer, length, staging_mr_->lkey,
-              false);
-      wr.wr.rdma.remote_addr = region.remote_addr + offset + done;
-      wr.wr.rdma.rkey = region.rkey;
-      TF_RDMA_RETURN_IF_ERROR(Post(&wr, deadline));
-      staging_busy_[chunk] = true;
-      chunk = (chunk + 1) % kStagingChunks;
+      prepare(IBV_WR_RDMA_WRITE, buffer, length, staging_mr_->lkey, false);
+      target(done);
+      s = Post(&wr, true, deadline, &lock, &number);
+      if (s.ok()) staging_users_[chunk] = number;
     }
+    if (s.ok()) counters_.bytes_staged += nbytes;
   }
-  notice_->region_id = region.id;
-  notice_->offset = notice_offset;
-  notice_->seq = seq;
-  prepare(kOtherWr, IBV_WR_SEND, notice_, sizeof(Notice), notice_mr_->lkey,
-          notice_inline_);
-  Status s = Post(&wr, deadline);
-  if (s.ok()) s = Drain(0, deadline);
+  if (s.ok()) {
+    // The notice's buffer is the one of its request number: room in the
+    // queue first, so that its previous user has completed.
+    s = AwaitSend(
+        [&] { return posted_ - completed_ < queue_depth_ || !error_.ok(); },
+        deadline, &lock);
+    if (s.ok()) s = error_;
+  }
+  if (s.ok()) {
+    Notice* notice = &notices_[(posted_ + 1) % queue_depth_];
+    notice->region_id = region.id;
+    notice->offset = notice_offset;
+    notice->seq = seq;
+    prepare(IBV_WR_SEND, notice, sizeof(Notice), notices_mr_->lkey,
+            notice_inline_);
+    s = Post(&wr, true, deadline, &lock, &number);
+  }
+  if (s.ok()) {
+    ++counters_.writes;
+    ++writes_in_flight_;
+    counters_.max_writes_in_flight =
+        std::max<uint64_t>(counters_.max_writes_in_flight, writes_in_flight_);
+    uint64_t last = number;
+    Status outcome;
+    s = AwaitSend([&] { return Outcome(first, last, &outcome); }, deadline,
+                  &lock);
+    if (s.ok() || Outcome(first, last, &outcome)) s = outcome;
+    --writes_in_flight_;
+  }
   if (closed_) ReleaseStaging();
   return s;
 }
 
+PairCounters Pair::counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  PairCounters out = counters_;
+  out.reported = true;
+  return out;
+}
+
 void Pair::ReleaseStaging() {
-  // Caller holds write_mu_. A closed pair's staging area (4 MiB of pinned
+  // Caller holds mu_. A closed pair's staging area (4 MiB of pinned
   // memory) goes as soon as no request can still read it; the small queues
   // stay until the process ends, like the connection that owns them.
-  if (staging_ == nullptr || outstanding_ != 0) return;
+  if (staging_ == nullptr || completed_ != posted_) return;
   ibv_dereg_mr(staging_mr_);
   std::free(staging_);
   staging_ = nullptr;
   staging_mr_ = nullptr;
-  staging_busy_.clear();
+  staging_users_.clear();
 }
 
 // ---------------------------------------------------------------------------
@@ -470,15 +571,28 @@ void Pair::ReleaseStaging() {
 int Pair::notice_fd() const { return channel_->fd; }
 
 Status Pair::TakeNotices(std::vector<Notice>* out) {
-  // Acknowledge every event, re-arm, then drain the queue: a completion that
-  // arrives after the re-arm raises a new event, so none is missed.
+  // Acknowledge every event, re-arm both queues, then drain them: a
+  // completion that arrives after the re-arm raises a new event, so none is
+  // missed.
   ibv_cq* cq = nullptr;
   void* unused = nullptr;
   while (ibv_get_cq_event(channel_, &cq, &unused) == 0) {
     ibv_ack_cq_events(cq, 1);
   }
-  int armed = ibv_req_notify_cq(recv_cq_, 0);
-  if (armed != 0) return Unavailable(Strerror("ibv_req_notify_cq", armed));
+  for (ibv_cq* armed_cq : {send_cq_, recv_cq_}) {
+    int armed = ibv_req_notify_cq(armed_cq, 0);
+    if (armed != 0) return Unavailable(Strerror("ibv_req_notify_cq", armed));
+  }
+  {
+    // Send completions, for writers asleep in AwaitSend. A writer holding
+    // the lock is posting and reaps for itself: never wait for it here,
+    // this thread serves every connection.
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (lock.owns_lock()) {
+      while (Reap()) {
+      }
+    }
+  }
   while (true) {
     ibv_wc wc[16];
     int n = ibv_poll_cq(recv_cq_, 16, wc);
@@ -489,11 +603,12 @@ Status Pair::TakeNotices(std::vector<Notice>* out) {
         // A flushed receive is a consequence: the queue pair is in the
         // error state. The cause is the first failed send completion (a
         // write the peer refused, a peer that stopped acknowledging), which
-        // no writer may have polled yet: report it when there is one.
+        // no writer may have reaped yet: report it when there is one.
         {
-          std::lock_guard<std::mutex> lock(write_mu_);
-          Status cause = ReapSendFailure();
-          if (!cause.ok()) return cause;
+          std::lock_guard<std::mutex> lock(mu_);
+          while (Reap()) {
+          }
+          if (!error_.ok()) return error_;
         }
         // Or the device failed it as a responder (asynchronous event).
         std::string why = context_->AsyncCause(qp_->qp_num);
@@ -519,14 +634,17 @@ Status Pair::TakeNotices(std::vector<Notice>* out) {
 
 void Pair::Close() {
   // The error state flushes every posted request, so a write waiting in
-  // Drain returns at once (and frees the staging area on its way out).
+  // AwaitSend returns at once (and frees the staging area on its way out).
   closed_ = true;
   ibv_qp_attr attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.qp_state = IBV_QPS_ERR;
   ibv_modify_qp(qp_, &attr, IBV_QP_STATE);
-  std::unique_lock<std::mutex> lock(write_mu_, std::try_to_lock);
-  if (lock.owns_lock()) ReleaseStaging();
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (lock.owns_lock()) {
+    ReleaseStaging();
+    reaped_.notify_all();  // sleeping writers look at the queue now
+  }
 }
 
 }  // namespace verbs
