@@ -7,8 +7,10 @@ suite shows that the emulator is honest, or exactly where it is not.
 
 One test per semantic, each in real processes with a hard timeout:
 devices/ports/GIDs/limits, memory registration, the RC state machine,
-inline data, unsignaled WRs and a full send queue, completion channels with
-epoll, a payload read when the WR executes (not when posted), WRITE-before-SEND ordering across processes, remote access errors
+inline data, unsignaled WRs and a full send queue, implicit on-demand paging
+(a WRITE from a buffer never registered, and from one remapped), completion
+channels with epoll, a payload read when the WR executes (not when posted),
+WRITE-before-SEND ordering across processes, remote access errors
 (wrong rkey, out of range, no REMOTE_WRITE), RNR, a dead peer. The tests of
 softnic's fault knobs (TF_RDMA_SOFTNIC_*) and of its IB mode run only on the
 emulator.
@@ -215,6 +217,18 @@ def test_inline_data(env):
 
 def test_unsignaled_and_full_send_queue(env):
     run_check(env, "unsignaled")
+
+
+def test_implicit_on_demand_paging(env):
+    facts = run_check(env, "odp")
+    if not HARDWARE:
+        assert facts["implicit_odp"] == "yes", facts  # softnic's default
+
+
+@emulator_only
+def test_knob_odp_off_reports_no_on_demand_paging(env):
+    facts = run_check(dict(env, TF_RDMA_SOFTNIC_ODP="0"), "odp")
+    assert facts["implicit_odp"] == "no", facts
 
 
 def test_completion_channel_with_epoll(env):

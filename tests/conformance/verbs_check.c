@@ -613,6 +613,54 @@ static void check_late_read(void) {
   fact("placed=%s", buf[8192] == 'b' ? "late" : "early");
 }
 
+/* Implicit on-demand paging (ibv_reg_mr(3)): where the device reports
+ * IBV_ODP_SUPPORT_IMPLICIT with RC SEND and WRITE, one MR over the whole
+ * address space (addr NULL, length SIZE_MAX, IBV_ACCESS_ON_DEMAND) lets a
+ * WRITE read a buffer that was never registered, including one mapped after
+ * the MR was made; the plugin's zero-copy sends rely on exactly this. Where
+ * the device does not report it, registering one must fail. */
+static void check_odp(void) {
+  struct dev d;
+  open_dev(&d);
+  struct ibv_device_attr_ex attr;
+  memset(&attr, 0, sizeof(attr));
+  EXPECT(ibv_query_device_ex(d.ctx, NULL, &attr) == 0, "ibv_query_device_ex: %s", strerror(errno));
+  uint32_t rc_needed = IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_WRITE;
+  int implicit = (attr.odp_caps.general_caps & IBV_ODP_SUPPORT_IMPLICIT) &&
+                 (attr.odp_caps.per_transport_caps.rc_odp_caps & rc_needed) == rc_needed;
+  struct ibv_mr* odp = ibv_reg_mr(d.pd, NULL, SIZE_MAX, IBV_ACCESS_ON_DEMAND | IBV_ACCESS_LOCAL_WRITE);
+  if (!implicit) {
+    EXPECT(odp == NULL, "an implicit ODP MR registered on a device that does not report it");
+    fact("implicit_odp=no");
+    return;
+  }
+  EXPECT(odp != NULL, "implicit ODP MR: %s", strerror(errno));
+  struct pair p;
+  loopback(&d, &p, 16, 1, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  char* dst = pages(1 << 20);
+  struct ibv_mr* mr = ibv_reg_mr(d.pd, dst, 1 << 20, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  EXPECT(mr != NULL, "ibv_reg_mr");
+  char* src = pages(1 << 20); /* mapped after the ODP MR was made */
+  for (int i = 0; i < (1 << 20); ++i) src[i] = (char)(i * 7 + 3);
+  EXPECT(post_write(p.a, 1, src, 1 << 20, odp->lkey, (uintptr_t)dst, mr->rkey, IBV_SEND_SIGNALED) == 0,
+         "write from an unregistered buffer through the implicit MR");
+  struct ibv_wc wc = wait_wc(p.scq, 5, "odp write");
+  EXPECT(wc.status == IBV_WC_SUCCESS, "odp write: %s", ibv_wc_status_str(wc.status));
+  EXPECT(memcmp(dst, src, 1 << 20) == 0, "odp write placed the buffer's bytes");
+  /* The same address, remapped with other pages: the NIC reads the new
+   * ones (a registration made before the remap would read the old). */
+  munmap(src, 1 << 20);
+  char* again = mmap(src, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  EXPECT(again == src, "remap");
+  memset(again, 'z', 1 << 20);
+  EXPECT(post_write(p.a, 2, again, 1 << 20, odp->lkey, (uintptr_t)dst, mr->rkey, IBV_SEND_SIGNALED) == 0,
+         "write after the remap");
+  wc = wait_wc(p.scq, 5, "odp write after remap");
+  EXPECT(wc.status == IBV_WC_SUCCESS, "odp write after remap: %s", ibv_wc_status_str(wc.status));
+  EXPECT(dst[0] == 'z' && dst[(1 << 20) - 1] == 'z', "the remapped pages' bytes were sent");
+  fact("implicit_odp=yes");
+}
+
 /* Completion channel: the fd works with epoll, one event per arming. */
 static void check_channel(void) {
   struct dev d;
@@ -943,7 +991,7 @@ int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 2) {
     fprintf(stderr,
-            "usage: verbs_check device|mr|qp_state|inline|unsignaled|channel|late_read\n"
+            "usage: verbs_check device|mr|qp_state|inline|unsignaled|channel|late_read|odp\n"
             "       verbs_check write_send|remote_access|rnr|dead_peer target|initiator [key=value ...]\n");
     return 2;
   }
@@ -956,6 +1004,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(check, "unsignaled")) check_unsignaled();
   else if (!strcmp(check, "channel")) check_channel();
   else if (!strcmp(check, "late_read")) check_late_read();
+  else if (!strcmp(check, "odp")) check_odp();
   else if (!strcmp(check, "write_send")) check_write_send(role);
   else if (!strcmp(check, "remote_access")) check_remote_access(role);
   else if (!strcmp(check, "rnr")) check_rnr(role);
