@@ -7,14 +7,21 @@ softnic, the emulated NIC) and the pair counters of endpoint_info():
   through implicit on-demand paging) once the pair is up, and is staged
   (copied into the registered staging area) with TF_RDMA_VERBS_ODP=off;
 - writes from several threads to one peer are in flight together rather
-  than one round trip after another.
+  than one round trip after another;
+- bench/verbs_path.py, which measures both, labels emulated numbers.
 
 Every received tensor is checked bit for bit against what was sent.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import make_cluster, require_verbs, run_tasks
+from conftest import (REPO, base_env, make_cluster, require_verbs, run_tasks,
+                      verbs_missing)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -141,3 +148,22 @@ def test_writes_from_threads_are_in_flight_together():
     # Selective signalling: notices and the occasional request ask for a
     # completion, payload writes from memory the NIC reads in place do not.
     assert counters["signaled"] < counters["requests"], counters
+
+
+def test_bench_labels_emulated_numbers(tmp_path):
+    """bench/verbs_path.py runs (small) and never passes softnic off as hardware."""
+    require_verbs()
+    emulated = verbs_missing() is not None
+    out = tmp_path / "verbs_path.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "verbs_path.py"),
+         "--only", "in-flight", "--threads", "2", "--writes", "3",
+         "--delay-us", "0", "--json", str(out)],
+        env=base_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    systems = {r["system"] for r in doc["results"]}
+    assert systems == {"tf_rdma-verbs-emulated" if emulated else "tf_rdma-verbs"}
+    assert [r["threads"] for r in doc["results"]] == [1, 2]
+    assert all(r["counters"]["writes"] >= 3 for r in doc["results"]), doc
+    assert ("EMULATED" in proc.stdout) == emulated, proc.stdout

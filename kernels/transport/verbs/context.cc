@@ -264,6 +264,10 @@ Status Context::ChoosePort() {
         std::to_string(std::min(device.max_qp_wr, device.max_cqe)) +
         " work requests per queue)");
   }
+  // An emulated device says so in its firmware version (softnic:
+  // "softnic (emulated)"), as `tf-rdma doctor` reads it; Describe repeats
+  // it, so that no number measured on one passes for a NIC's.
+  emulated_ = std::strstr(device.fw_ver, "(emulated)") != nullptr;
   // The asked-for port; else the active port that carries the endpoint's
   // address, else the first active one.
   std::string states;
@@ -420,7 +424,8 @@ Context::~Context() {
 }
 
 std::string Context::Describe() const {
-  return name_ + " port " + std::to_string(port_) + ", " +
+  return name_ + (emulated_ ? " (emulated)" : "") + " port " +
+         std::to_string(port_) + ", " +
          (ethernet_ ? "RoCE" : "InfiniBand") + ", " + gid_what_ + ", MTU " +
          std::to_string(128 << static_cast<int>(mtu_)) + ", on-demand paging " +
          odp_what_;

@@ -67,6 +67,7 @@ class Context : public VerbsDevice {
   VerbsSettings settings_;
   std::set<uint32_t> local_;  // IPv4 addresses of settings_.local_host
   std::string name_;
+  bool emulated_ = false;  // the firmware version says "(emulated)"
   ibv_context* context_ = nullptr;
   ibv_pd* pd_ = nullptr;
   uint8_t port_ = 0;
