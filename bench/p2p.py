@@ -4,9 +4,11 @@
 Usage::
 
     python bench/p2p.py [--json PATH] [--sizes 4K 1M ...] [--runs N] [--quick]
+                        [--transports shm tcp verbs]
+                        [--nic auto|hardware|emulated]
 
 The script is its own orchestrator. For each transport (shm, then tcp; add
-verbs with ``--transports shm tcp verbs`` on an RDMA host) it
+verbs with ``--transports shm tcp verbs``) it
 starts a 2-task cluster with ``tf-rdma launch`` (``TF_RDMA_TRANSPORT`` set for
 the servers) and runs itself inside it as the client (``--client``); the
 client measures and prints its results as one JSON line on stdout, which the
@@ -46,6 +48,15 @@ Both functions end with ``y[0] + y[-1]`` on the receiving task, so only a
 scalar returns to the client, and the gRPC and tf_rdma scalars are compared
 bit for bit on every size.
 
+verbs runs on the host's RDMA device where the engine can use one and, on
+a host without (``--nic auto``, the default), over softnic, the RDMA NIC
+emulated in user space (tests/softnic, docs/verbs.md); ``--nic hardware``
+never falls back, ``--nic emulated`` always uses softnic. The label does not
+come from that choice: the client asks the running servers which libibverbs
+they loaded (bench/_harness/nic.py), and numbers measured over softnic are
+``tf_rdma-verbs-emulated``, printed with a note that they say nothing about
+RDMA hardware; only a real device's are ``tf_rdma-verbs``.
+
 Sizes up to 16 MiB use H = 8 and plan depth 2; 64 MiB uses H = 4, depth 2;
 larger sizes H = 2 and depth 1 (``--hops`` sets H for every size), so that
 the preallocated regions stay small
@@ -61,6 +72,7 @@ import statistics
 import sys
 import time
 
+from _harness import nic
 from _harness.children import child_env, emit_result, run_child
 from _harness.report import (Run, print_table, result_entry, verdict,
                              write_json)
@@ -73,8 +85,9 @@ QUICK_RUNS = 3
 WARMUP = 2
 
 TRANSPORTS = ("shm", "tcp", "verbs")
-DEFAULT_TRANSPORTS = ("shm", "tcp")  # verbs: on request, where a NIC is
-SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "tf_rdma-verbs", "grpc", "memcpy")
+DEFAULT_TRANSPORTS = ("shm", "tcp")  # verbs: on request (--nic: which NIC)
+SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "tf_rdma-verbs",
+           "tf_rdma-verbs-emulated", "grpc", "memcpy")
 OPS = ("p2p", "p2p-call")
 
 TASKS = ("/job:worker/task:0", "/job:worker/task:1")
@@ -125,12 +138,25 @@ def client_main(args):
     match_calls = not args.in_order
 
     transport = args.transport
-    system = f"tf_rdma-{transport}"
     cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
     if len(cluster.get("worker", [])) < 2:
         raise SystemExit("p2p client: the cluster needs 2 worker tasks "
                          "(tf-rdma launch -n 2)")
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+    verbs_nic = None
+    if transport == "verbs":
+        # The label comes from the servers themselves: the libibverbs each
+        # one loaded, real or softnic (the emulated NIC).
+        try:
+            verbs_nic = nic.servers_nic(tf, TASKS)
+        except RuntimeError as err:
+            raise SystemExit(f"p2p client: {err}") from None
+        log("verbs: the servers loaded " + "; ".join(
+            f"{s['task']}: {', '.join(s['libibverbs'])}"
+            f"{' (softnic, EMULATED)' if s['emulated'] else ''}"
+            for s in verbs_nic["servers"]))
+    system = nic.system_name(transport,
+                             bool(verbs_nic and verbs_nic["emulated"]))
 
     def grpc_fn(v, hops):
         n = int(v.shape[0])
@@ -254,6 +280,7 @@ def client_main(args):
         "numpy": np.__version__,
         "config": config,
         "grpc_chain_check": chain_check,
+        "verbs_nic": verbs_nic,
         "results": results,
     }
     emit_result(RESULT_PREFIX, out)
@@ -309,9 +336,13 @@ def measure_memcpy(size, runs):
     return times
 
 
-def run_cluster(transport, args):
-    """Runs the client in a 2-task cluster on `transport`; returns its JSON."""
-    env = child_env()
+def run_cluster(transport, args, env=None):
+    """Runs the client in a 2-task cluster on `transport`; returns its JSON.
+
+    `env` is the cluster's environment (default ``child_env()``; for verbs,
+    the one ``nic.select`` chose).
+    """
+    env = dict(child_env() if env is None else env)
     env["TF_RDMA_TRANSPORT"] = transport
     client = [sys.executable, os.path.abspath(__file__), "--client",
               "--transport", transport, "--runs", str(args.runs),
@@ -477,6 +508,18 @@ def check_lines(results, marginals=()):
     return lines
 
 
+def emulated_lines(systems, verbs_nic):
+    """The report's lines that flag emulated systems (none without any)."""
+    if not systems:
+        return []
+    lines = [f"*** {', '.join(systems)}: {nic.EMULATED_NOTE} ***"]
+    for server in (verbs_nic or {}).get("servers", []):
+        if server.get("emulated"):
+            lines.append(f"    {server['task']} loaded "
+                         f"{', '.join(server['libibverbs'])} (softnic)")
+    return lines
+
+
 def orchestrate(args):
     run = Run("p2p", log)
     results = []
@@ -488,11 +531,29 @@ def orchestrate(args):
               for size in args.sizes}
     failed = []
     clients = {}
+    verbs_nic = None
     for transport in args.transports:
-        out = run_cluster(transport, args)
+        env = None
+        if transport == "verbs":
+            env, selection = nic.select(args.nic, child_env(), log)
+            verbs_nic = {"selection": selection}
+            if env is None:
+                log(f"verbs: not measured: {selection['why']}")
+                failed.append(transport)
+                continue
+        out = run_cluster(transport, args, env)
         if out is None:
             failed.append(transport)
             continue
+        if transport == "verbs":
+            verbs_nic.update(out.get("verbs_nic") or {})
+            if args.nic == "hardware" and verbs_nic.get("emulated"):
+                # The servers' own answer overrules the choice: never keep
+                # emulated numbers from a run that asked for hardware.
+                log("verbs: --nic hardware, but the servers loaded softnic "
+                    "(the emulated NIC): its results are dropped")
+                failed.append(transport)
+                continue
         clients[transport] = out
         results.extend(out["results"])
         for key in ("tensorflow", "tf_rdma"):
@@ -505,6 +566,10 @@ def orchestrate(args):
                                 order.get(r["system"], 99)))
     print(f"{run.headline('p2p benchmark')}; runs={args.runs} after {WARMUP} "
           f"warm-up")
+    emulated = sorted({r["system"] for r in results
+                       if nic.is_emulated_system(r["system"])})
+    for line in emulated_lines(emulated, verbs_nic):
+        print(line)
     print_tables(results, args.sizes)
     chain = next(iter(clients.values()), {}).get("config", {})
     marginals = marginal_hops(
@@ -520,6 +585,8 @@ def orchestrate(args):
     print()
     for line in check_lines(results, marginals):
         print("check: " + line)
+    for line in emulated_lines(emulated, None):
+        print(line)
     run.finish()
     if args.json:
         config = {"runs": args.runs, "warmup": WARMUP,
@@ -531,6 +598,7 @@ def orchestrate(args):
                       "grpc_chain_check", []),
                   "memcpy": "numpy.copyto into a preallocated array, one "
                             "thread",
+                  "verbs_nic": verbs_nic,
                   **run.timing()}
         write_json(args.json, run.document(config, results,
                                            marginal_hops=marginals))
@@ -548,8 +616,8 @@ def orchestrate(args):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python bench/p2p.py",
-        description="Point-to-point transfer benchmark: tf_rdma (shm, tcp) "
-                    "vs TensorFlow gRPC vs memcpy, 2 local tasks.",
+        description="Point-to-point transfer benchmark: tf_rdma (shm, tcp, "
+                    "verbs) vs TensorFlow gRPC vs memcpy, 2 local tasks.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="See bench/README.md for what each system and op means.")
     parser.add_argument("--json", metavar="PATH",
@@ -569,6 +637,12 @@ def build_parser():
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
                         default=list(DEFAULT_TRANSPORTS),
                         help="tf_rdma transports to measure (default: shm tcp)")
+    parser.add_argument("--nic", choices=nic.MODES, default="auto",
+                        help="verbs only: auto (the host's RDMA device when "
+                             "the engine can use one, else softnic, the "
+                             "emulated NIC), hardware (never softnic) or "
+                             "emulated (always softnic). Results over "
+                             "softnic are labelled tf_rdma-verbs-emulated")
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="hard limit per cluster run in seconds "
                              "(default 420; --quick 150)")

@@ -1,15 +1,24 @@
-"""The arithmetic of bench/p2p.py's report: sizes, marginal hops, checks.
+"""The arithmetic of bench/p2p.py's report: sizes, marginal hops, checks;
+and the label of its verbs numbers over the emulated NIC.
 
-The benchmark itself is not run here (speed targets live in bench/, not in
-timed tests); these check that what it prints is computed right from the
-measurements it is given.
+Speed targets live in bench/, not in timed tests: these check that what it
+prints is computed right from the measurements it is given. The bench runs
+here only for the label of verbs over softnic (one 4 KiB size, one run):
+its results must be `tf_rdma-verbs-emulated`, never `tf_rdma-verbs`.
 """
 
 import argparse
+import glob
 import importlib.util
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
+
+from conftest import REPO, softnic_missing, verbs_missing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -94,3 +103,219 @@ def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
                                                "tf_rdma-shm" else 1))
             for r in fast]
     assert all(": MISSED" in line for line in p2p.check_lines(slow))
+
+
+# --- verbs: hardware or softnic, and the label that says which ---
+#
+# bench/p2p.py --transports verbs runs over softnic (the emulated NIC) where
+# no RDMA device is usable. Its numbers must never pass for hardware ones:
+# the system is tf_rdma-verbs-emulated, in the JSON and in the printed
+# report, and the label comes from the libibverbs the running servers
+# loaded, not from what the bench chose.
+
+SOFTNIC_LIB = os.path.join(REPO, "build", "softnic", "libibverbs.so.1")
+
+
+def _system_libibverbs():
+    found = [p for p in glob.glob("/usr/lib/*/libibverbs.so.1*") +
+             glob.glob("/usr/lib*/libibverbs.so.1*") if os.path.isfile(p)]
+    return found[0] if found else None
+
+
+def test_system_names_say_emulated_only_for_verbs_over_softnic(p2p):
+    nic = p2p.nic
+    assert nic.system_name("verbs", False) == "tf_rdma-verbs"
+    assert nic.system_name("verbs", True) == "tf_rdma-verbs-emulated"
+    assert nic.system_name("shm", True) == "tf_rdma-shm"
+    assert nic.is_emulated_system("tf_rdma-verbs-emulated")
+    assert not nic.is_emulated_system("tf_rdma-verbs")
+    assert "tf_rdma-verbs-emulated" in p2p.SYSTEMS
+    assert p2p.emulated_lines([], None) == []
+    (line,) = p2p.emulated_lines(["tf_rdma-verbs-emulated"], None)
+    assert "EMULATED RDMA NIC" in line
+    assert "nothing about RDMA hardware" in line
+
+
+def test_softnic_is_told_from_rdma_cores_libibverbs_by_its_mark(p2p):
+    nic = p2p.nic
+    maps = ("7f00-7f10 r-xp 00000000 08:01 42   /opt/x/libibverbs.so.1\n"
+            "7f10-7f20 r--p 00010000 08:01 42   /opt/x/libibverbs.so.1\n"
+            "7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/libmlx5.so.1.24\n"
+            "7f30-7f40 rw-p 00000000 00:00 0 \n")
+    assert nic.libibverbs_paths(maps) == ["/opt/x/libibverbs.so.1"]
+    if not os.path.exists(SOFTNIC_LIB):
+        pytest.skip(f"softnic is not built ({SOFTNIC_LIB}; `make softnic`)")
+    with open(SOFTNIC_LIB, "rb") as f:
+        assert nic.is_softnic(f.read())
+    system = _system_libibverbs()
+    if system is not None:
+        with open(system, "rb") as f:
+            assert not nic.is_softnic(f.read()), system
+
+
+def test_nic_selection_falls_back_to_softnic_only_in_auto(p2p):
+    nic = p2p.nic
+    logged = []
+    if not os.path.exists(nic.SOFTNIC_LIB):
+        pytest.skip(f"softnic is not built ({nic.SOFTNIC_LIB}; `make softnic`)")
+    none = {"available": False, "reason": "no RDMA here", "libibverbs": [],
+            "emulated": False}
+    real = {"available": True, "device": "mlx5_0 port 1, RoCE",
+            "libibverbs": ["/usr/lib/libibverbs.so.1"], "emulated": False}
+    by_hand = dict(real, device="softnic0 port 1",
+                   libibverbs=[nic.SOFTNIC_LIB], emulated=True)
+    base = {"LD_LIBRARY_PATH": f"/opt/a{os.pathsep}{nic.SOFTNIC_DIR}"}
+
+    env, sel = nic.select("auto", base, logged.append, lambda e: none)
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep) == [nic.SOFTNIC_DIR,
+                                                        "/opt/a"]
+    assert sel["chosen"] == "emulated" and "no RDMA here" in sel["why"]
+    assert any("NO usable RDMA device" in m and "EMULATED" in m
+               for m in logged)
+
+    env, sel = nic.select("auto", base, logged.append, lambda e: real)
+    assert env == base and sel["chosen"] == "hardware"
+    env, sel = nic.select("auto", base, logged.append, lambda e: by_hand)
+    assert env == base and sel["chosen"] == "emulated"
+
+    def never(e):
+        raise AssertionError("hardware and emulated do not probe")
+    env, sel = nic.select("hardware", base, logged.append, never)
+    assert env["LD_LIBRARY_PATH"] == "/opt/a" and sel["chosen"] == "hardware"
+    env, sel = nic.select("hardware", {"LD_LIBRARY_PATH": nic.SOFTNIC_DIR},
+                          logged.append, never)
+    assert "LD_LIBRARY_PATH" not in env
+    env, sel = nic.select("emulated", {}, logged.append, never)
+    assert env["LD_LIBRARY_PATH"] == nic.SOFTNIC_DIR
+    with pytest.raises(ValueError, match="--nic"):
+        nic.select("maybe", {}, logged.append, never)
+
+
+def test_the_servers_answer_decides_the_label(p2p, tmp_path):
+    """servers_nic reads each server's map and library through ops placed on
+    it; a fake tf here serves files of this host."""
+    nic = p2p.nic
+    if not os.path.exists(SOFTNIC_LIB):
+        pytest.skip(f"softnic is not built ({SOFTNIC_LIB}; `make softnic`)")
+    hardware = tmp_path / "hw" / "libibverbs.so.1"
+    hardware.parent.mkdir()
+    hardware.write_bytes(b"\x7fELF...\0ibv_open_device\0")
+    maps = {"/job:worker/task:0": f"7f00-7f10 r-xp 0 0:0 1 {SOFTNIC_LIB}\n",
+            "/job:worker/task:1": f"7f00-7f10 r-xp 0 0:0 1 {hardware}\n"}
+
+    class FakeTf:
+        task = None
+
+        class _Device:
+            def __init__(self, tf, task):
+                self.tf, self.task = tf, task
+
+            def __enter__(self):
+                self.tf.task = self.task
+
+            def __exit__(self, *exc):
+                self.tf.task = None
+
+        def device(self, task):
+            return self._Device(self, task)
+
+        @property
+        def io(self):
+            return self
+
+        def read_file(self, path):
+            assert self.task is not None, "read outside tf.device"
+            if path == "/proc/self/maps":
+                data = maps[self.task].encode()
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+            return type("T", (), {"numpy": lambda _: data})()
+
+    got = nic.servers_nic(FakeTf(), list(maps))
+    assert got["emulated"] is True
+    assert [s["emulated"] for s in got["servers"]] == [True, False]
+    maps["/job:worker/task:0"] = maps["/job:worker/task:1"]
+    assert nic.servers_nic(FakeTf(), list(maps))["emulated"] is False
+    maps["/job:worker/task:1"] = "7f00-7f10 r-xp 0 0:0 1 /usr/lib/libc.so.6\n"
+    with pytest.raises(RuntimeError, match="task:1 has no libibverbs"):
+        nic.servers_nic(FakeTf(), list(maps))
+
+
+def _run_bench(args, env, timeout=300):
+    return subprocess.run([sys.executable, _PATH, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def _bench_env(extra_library_path=None):
+    env = dict(os.environ)
+    kept = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+            if p and os.path.realpath(p) != os.path.realpath(
+                os.path.dirname(SOFTNIC_LIB))]
+    if extra_library_path:
+        kept.insert(0, extra_library_path)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return env
+
+
+@pytest.fixture
+def softnic_usable():
+    missing = softnic_missing()
+    if missing is not None:
+        if os.environ.get("TF_RDMA_TEST_VERBS") == "1":
+            pytest.fail(f"TF_RDMA_TEST_VERBS=1 but {missing}")
+        pytest.skip(missing)
+
+
+@pytest.mark.timeout(300)
+def test_verbs_over_softnic_is_labelled_emulated(softnic_usable, tmp_path):
+    # Where no RDMA device is usable (this repository's CI), the default
+    # --nic auto must fall back to softnic; on an RDMA host, ask for it.
+    no_device = verbs_missing() is not None
+    out = tmp_path / "p2p.json"
+    proc = _run_bench(["--transports", "verbs", "--sizes", "4K", "--runs", "1",
+                       "--nic", "auto" if no_device else "emulated",
+                       "--timeout", "200", "--json", str(out)], _bench_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    doc = json.loads(out.read_text())
+    systems = {r["system"] for r in doc["results"]}
+    assert systems == {"tf_rdma-verbs-emulated", "memcpy"}, systems
+    ops = {r["op"] for r in doc["results"]
+           if r["system"] == "tf_rdma-verbs-emulated"}
+    assert ops == {"p2p", "p2p-call"}
+    verbs_nic = doc["config"]["verbs_nic"]
+    assert verbs_nic["emulated"] is True
+    assert verbs_nic["selection"]["chosen"] == "emulated"
+    assert [s["emulated"] for s in verbs_nic["servers"]] == [True, True]
+    # The printed report: the label in the tables, and the note, loudly.
+    assert "tf_rdma-verbs-emulated (med)" in proc.stdout
+    assert "tf_rdma-verbs (med)" not in proc.stdout
+    assert "*** tf_rdma-verbs-emulated: EMULATED RDMA NIC" in proc.stdout
+    assert "say nothing about RDMA hardware" in proc.stdout
+    if no_device:
+        assert "NO usable RDMA device here" in proc.stderr
+        assert "running the verbs cluster over softnic" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_softnic_never_passes_for_hardware(softnic_usable, tmp_path):
+    # A copy of softnic that the bench does not know of, on the library
+    # path, with --nic hardware: the servers say they loaded softnic, so the
+    # run's verbs results are dropped, never labelled tf_rdma-verbs.
+    copy = tmp_path / "lib"
+    copy.mkdir()
+    shutil.copy(SOFTNIC_LIB, copy / "libibverbs.so.1")
+    out = tmp_path / "p2p.json"
+    env = _bench_env(str(copy))
+    proc = _run_bench(["--transports", "verbs", "--sizes", "4K", "--runs", "1",
+                       "--nic", "hardware", "--timeout", "200",
+                       "--json", str(out)], env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-5000:]
+    assert "--nic hardware, but the servers loaded softnic" in proc.stderr, \
+        proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    assert not [r for r in doc["results"]
+                if r["system"].startswith("tf_rdma-verbs")], doc["results"]
+    assert doc["config"]["verbs_nic"]["emulated"] is True

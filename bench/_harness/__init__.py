@@ -17,6 +17,9 @@ No bench script imports another one; what two of them need lives here.
   (``run_processes``).
 - ``worker``: the inside of such a worker: its cluster, ``TF_CONFIG`` and
   the MultiWorkerMirroredStrategy baseline.
+- ``nic``: which RDMA NIC a verbs run used: the host's device or softnic,
+  the emulated one (``--nic``), and the label that says which, taken from
+  the libibverbs the running servers loaded.
 
 Nothing here imports TensorFlow: an orchestrator never loads it, only its
 children do.
