@@ -163,7 +163,14 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
   } else if (s.ok()) {
     s = InvalidArgument("unknown frame type " + std::to_string(h.type));
   }
-  if (!s.ok()) CloseConnection(conn, s);
+  if (!s.ok()) {
+    // A peer that wrote its last tensor and exited closes the socket right
+    // after its NIC had our acknowledgement: the notices of those writes
+    // may still wait in our completion queue, behind this EOF. Publish them
+    // before the pair goes, or the last steps it sent would be lost.
+    if (conn->pair && conn->pair->notice_fd() >= 0) HandleNotices(conn);
+    CloseConnection(conn, s);
+  }
 }
 
 void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
@@ -171,6 +178,7 @@ void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
     std::lock_guard<std::mutex> lock(conn->mu);
     if (conn->dead) return;
   }
+  std::lock_guard<std::mutex> taking(conn->notice_mu);
   std::vector<Notice> notices;
   Status received = conn->pair->TakeNotices(&notices);
   Status s;

@@ -39,6 +39,10 @@ struct Connection {
   bool dialed = false;       // true: we write data, the peer writes credits
   std::unique_ptr<Pair> pair;
   std::mutex send_mu;        // one frame at a time on fd
+  // One taker of the pair's notices at a time (the progress thread, or the
+  // read loop draining them when the socket closes): two could publish one
+  // word's notices out of order.
+  std::mutex notice_mu;
 
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;
