@@ -456,6 +456,7 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   RegionDescriptor region;
   TF_RDMA_RETURN_IF_ERROR(
       remote_.Find(handle, offset, nbytes, notice_offset, &region));
+  std::unique_lock<std::mutex> posting(post_mu_);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
     ReleaseStaging();
@@ -530,6 +531,7 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
             notice_inline_);
     s = Post(&wr, true, deadline, &lock, &number);
   }
+  posting.unlock();  // the next write may post while this one waits
   if (s.ok()) {
     ++counters_.writes;
     ++writes_in_flight_;

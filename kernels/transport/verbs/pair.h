@@ -31,7 +31,7 @@
 // zero-length WRITE_WITH_IMM, and both consume one posted receive.
 //
 // Many writes in flight. Each op thread posts its write's requests under a
-// short lock and then waits, without the lock, until its own notice has
+// lock and then waits, without it, until its own notice has
 // completed (the peer's NIC acknowledged it; the caller may then reuse its
 // buffer, and an error surfaces in the write that caused it). Writes from
 // different threads to one peer therefore overlap on the wire instead of
@@ -131,6 +131,10 @@ class Pair : public VerbsPair {
 
   RemoteRegions remote_;
 
+  // One write posts at a time, so that a write's requests have consecutive
+  // numbers (a failed completion names its write); taken before mu_, and
+  // held while the write waits for room, but not for its completion.
+  std::mutex post_mu_;
   std::mutex mu_;  // guards the fields below
   std::condition_variable reaped_;  // completions were accounted
   uint64_t posted_ = 0;     // requests posted, ever (a request's number)
