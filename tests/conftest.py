@@ -10,6 +10,7 @@ No test can hang: a timeout kills the whole process group.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -330,6 +331,13 @@ def use_transport(name):
     """Called by a transport-parametrized fixture before it starts tasks."""
     if name == "verbs":
         require_verbs()
+
+
+def transports_used(stderr):
+    """The transports a task's engine logged for its pairs, sorted, from its
+    stderr ("tf_rdma[A]: A -> B uses shm")."""
+    return sorted(set(re.findall(r"^tf_rdma\[[^\]]*\]: \S+ -> \S+ uses (\w+)$",
+                                 stderr, re.M)))
 
 
 def start_servers(cluster, env):

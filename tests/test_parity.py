@@ -10,7 +10,9 @@ accumulation and ``steps_per_execution``, and evaluated, by 2 RdmaStrategy
 workers, 2 MultiWorkerMirroredStrategy workers (the
 oracle; Keras 3.15's ``fit`` needs ``mwms_keras.patch_mwms_for_keras_fit``
 there) and one process with the global batch. Each process trains every
-configuration in turn, so the suite costs five process start-ups.
+configuration in turn, so the suite costs five process start-ups; two more
+train VERBS_CONFIGS with the RdmaStrategy workers' pair over verbs (softnic
+where the host has no RDMA port).
 
 Tolerance: the final weights must agree within atol 1e-5 + rtol 1e-4. The
 strategies compute the same sums in another order (a worker's half batch,
@@ -23,7 +25,8 @@ rule gives (the dense-vs-sparse difference the issue reported was 0.17).
 import numpy as np
 import pytest
 
-from conftest import collect, make_cluster, spawn_task
+from conftest import (collect, make_cluster, spawn_task,
+                      transports_used, use_transport)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -105,7 +108,10 @@ def make_model(variant):
     return keras.Model(inp, L.Dense(1, dtype="float32")(x))
 
 out = {}
+only = os.environ.get("PARITY_CONFIGS")  # a comma-separated subset
 for name, (make_optimizer, variant, extra, policy) in CONFIGS.items():
+    if only and name not in only.split(","):
+        continue
     keras.utils.set_random_seed(11)
     keras.mixed_precision.set_global_policy(policy or "float32")
     try:
@@ -142,26 +148,73 @@ def _flat(weights):
     return np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
 
 
+# The RdmaStrategy workers train every configuration under
+# TF_RDMA_TRANSPORT=auto (shm between these processes on one host), and the
+# configurations in VERBS_CONFIGS again under verbs (softnic where the host
+# has no RDMA port: conftest.require_verbs), one of each kind of traffic:
+# sparse rows and dense buckets (sgd: the Embedding's IndexedSlices), a norm
+# over the all-reduced gradients (sgd_global_clipnorm), a collective in the
+# forward pass (sync_batchnorm), a loss-scaled float16 model
+# (mixed_float16) and two steps per call (steps_per_execution). The other configurations differ in what each worker
+# computes, not in what crosses between them, and every configuration costs
+# time over the emulated NIC. The verbs run starts only the two RdmaStrategy
+# workers: the references (MWMS, one process) do not use tf_rdma's
+# transports and are the same for both runs.
+TRANSPORTS = ("auto", "verbs")
+VERBS_CONFIGS = ["sgd", "sgd_global_clipnorm", "sync_batchnorm",
+                 "mixed_float16", "steps_per_execution"]
+
+
+@pytest.fixture(scope="module", params=["auto"])
+def transport(request):
+    """The RdmaStrategy workers' TF_RDMA_TRANSPORT: "auto" unless a test asks."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return train_everywhere()
+def references():
+    """{"mwms:0", "mwms:1", "single"} -> results, filled by the first `runs`."""
+    return {}
 
 
-def train_everywhere():
-    """{"rdma:0", "rdma:1", "mwms:0", "mwms:1", "single"} -> results."""
+@pytest.fixture(scope="module")
+def runs(transport, references):
+    return train_everywhere(transport, references)
+
+
+def train_everywhere(transport="auto", references=None):
+    """{"rdma:0", "rdma:1", "mwms:0", "mwms:1", "single"} -> results.
+
+    The references (MWMS and one process) run unless `references` has them;
+    then it gets them. Under a transport other than auto the RdmaStrategy
+    workers train only VERBS_CONFIGS.
+    """
+    references = {} if references is None else references
+    use_transport(transport)  # before any task starts (it may skip)
     procs = {}
-    for mode in ("rdma", "mwms"):
+    if not references:  # the references start no endpoint
         cluster = make_cluster(2)
         for i in range(2):
-            procs[f"{mode}:{i}"] = spawn_task(f"worker:{i}", PROGRAM, cluster,
-                                              {"MODE": mode})
-    procs["single"] = spawn_task("worker:0", PROGRAM, make_cluster(1),
-                                 {"MODE": "single"})
+            procs[f"mwms:{i}"] = spawn_task(f"worker:{i}", PROGRAM, cluster,
+                                            {"MODE": "mwms"})
+        procs["single"] = spawn_task("worker:0", PROGRAM, make_cluster(1),
+                                     {"MODE": "single"})
+    env = {"MODE": "rdma"}
+    if transport != "auto":
+        env.update(TF_RDMA_TRANSPORT=transport,
+                   PARITY_CONFIGS=",".join(VERBS_CONFIGS))
+    cluster = make_cluster(2)
+    for i in range(2):
+        procs[f"rdma:{i}"] = spawn_task(f"worker:{i}", PROGRAM, cluster, env)
     out = collect(procs, timeout=400)
     bad = [r for r in out.values() if r.returncode != 0]
     if bad:
         pytest.fail("task failed\n" + "\n".join(r.describe() for r in bad))
-    return {k: r.result for k, r in out.items()}
+    res = {k: r.result for k, r in out.items()}
+    for k in ("rdma:0", "rdma:1"):
+        res[k]["transports_used"] = transports_used(out[k].stderr)
+    references.update((k, v) for k, v in res.items() if not k.startswith("rdma"))
+    return dict(references, **res)
 
 
 CONFIG_NAMES = [
@@ -183,6 +236,20 @@ FAILS_UNDER_MWMS_TOO = {"gradient_accumulation": (
 
 @pytest.mark.parametrize("config", CONFIG_NAMES)
 def test_trains_as_under_mwms(runs, config):
+    check_trains_as_under_mwms(runs, config)
+
+
+# (transport is parametrized alone, indirectly: pytest then groups the tests
+# by the module-scoped `runs` they need, so each run happens once.)
+@pytest.mark.parametrize("config", VERBS_CONFIGS)
+@pytest.mark.parametrize("transport", ["verbs"], indirect=True)
+def test_trains_as_under_mwms_over(transport, runs, config):
+    for i in (0, 1):  # the workers' pair really used it
+        assert runs[f"rdma:{i}"]["transports_used"] == [transport]
+    check_trains_as_under_mwms(runs, config)
+
+
+def check_trains_as_under_mwms(runs, config):
     if config in FAILS_UNDER_MWMS_TOO:
         ours, theirs = FAILS_UNDER_MWMS_TOO[config]
         for who in ("rdma:0", "rdma:1", "mwms:0", "mwms:1"):
@@ -215,6 +282,7 @@ def test_trains_as_under_mwms(runs, config):
     assert shared[0] == shared[1]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
 def test_predict_returns_every_workers_rows_in_order(runs):
     # What MWMS's predict returns (Keras gathers across its workers); the
     # patched MWMS baseline cannot show it (patch_mwms_for_keras_fit turns

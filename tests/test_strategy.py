@@ -15,6 +15,8 @@ covers several checks:
   check `distribute_datasets_from_function`'s sharding, check in the traced
   step that the first gradient bucket's all-reduce does not wait for the
   last bucket's gradients, and write (chief) and read (all) a checkpoint.
+  The RdmaStrategy workers run again over verbs (softnic where the host has
+  no RDMA port) and are held to the same references.
 - `test_checkpoint_from_two_workers_restores_in_one`: one plain Keras
   process restores that checkpoint and evaluates it.
 - `test_killed_worker_fails_fast`: one worker dies (SIGKILL) while the other
@@ -35,7 +37,8 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import collect, make_cluster, run_tasks, spawn_task
+from conftest import (collect, make_cluster, run_tasks, spawn_task,
+                      transports_used, use_transport)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -251,32 +254,73 @@ def _flat(weights):
     return np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
 
 
+# The RdmaStrategy workers train under TF_RDMA_TRANSPORT=auto (shm between
+# these processes on one host) in every test, and again under verbs (softnic
+# where the host has no RDMA port: conftest.require_verbs) in the tests
+# marked @verbs_too: those that compare what crossed the workers' collectives
+# (Keras fit and the custom loop against one process and MWMS, gather, two
+# local replicas per worker). The bucket plan and the checkpoint do not
+# depend on the transport, and test_failures.py already kills a verbs peer
+# mid-collective. The verbs run of `trained` starts only the two RdmaStrategy
+# workers: the references (one process, MWMS) do not use tf_rdma's transports
+# and are the same for both runs.
+TRANSPORTS = ("auto", "verbs")
+
+
+@pytest.fixture(scope="module", params=["auto"])
+def transport(request):
+    """The RdmaStrategy workers' TF_RDMA_TRANSPORT: "auto" unless a test asks."""
+    return request.param
+
+
+verbs_too = pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Runs the 2 RdmaStrategy workers, 1 process and 2 MWMS workers at once."""
-    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+def references():
+    """{"single", "mwms:0", "mwms:1"} -> results, filled by the first `trained`."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def trained(transport, references, tmp_path_factory):
+    """Runs the 2 RdmaStrategy workers, and (once) 1 process and 2 MWMS
+    workers, at once."""
+    ckpt_dir = str(tmp_path_factory.mktemp(f"ckpt_{transport}"))
     env = {"CKPT_DIR": ckpt_dir}
+    use_transport(transport)  # before any task starts (it may skip)
     procs = {}
+    if not references:  # the references start no endpoint
+        mwms = make_cluster(2)
+        for i in range(2):
+            procs[f"mwms:{i}"] = spawn_task(f"worker:{i}", TRAIN, mwms,
+                                            dict(env, MODE="mwms"))
+        procs["single"] = spawn_task("worker:0", TRAIN, make_cluster(1),
+                                     dict(env, MODE="single"))
     rdma = make_cluster(2)
-    mwms = make_cluster(2)
+    rdma_env = dict(env, MODE="rdma")
+    if transport != "auto":
+        rdma_env["TF_RDMA_TRANSPORT"] = transport
     for i in range(2):
-        procs[f"rdma:{i}"] = spawn_task(f"worker:{i}", TRAIN, rdma,
-                                        dict(env, MODE="rdma"))
-        procs[f"mwms:{i}"] = spawn_task(f"worker:{i}", TRAIN, mwms,
-                                        dict(env, MODE="mwms"))
-    procs["single"] = spawn_task("worker:0", TRAIN, make_cluster(1),
-                                 dict(env, MODE="single"))
+        procs[f"rdma:{i}"] = spawn_task(f"worker:{i}", TRAIN, rdma, rdma_env)
     out = collect(procs, timeout=200)
     bad = [r for r in out.values() if r.returncode != 0]
     if bad:
         pytest.fail("task failed\n" + "\n".join(r.describe() for r in bad))
-    return {k: r.result for k, r in out.items()}, ckpt_dir
+    res = {k: r.result for k, r in out.items()}
+    for k in ("rdma:0", "rdma:1"):
+        res[k]["transports_used"] = transports_used(out[k].stderr)
+    references.update((k, v) for k, v in res.items() if not k.startswith("rdma"))
+    return dict(references, **res), ckpt_dir
 
 
-def test_two_workers_match_one_and_mwms(trained):
+@verbs_too
+def test_two_workers_match_one_and_mwms(transport, trained):
     res, _ = trained
     r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
     assert r0["replicas"] == r1["replicas"] == 2 and single["replicas"] == 1
+    if transport != "auto":  # the workers' pair really used it
+        assert r0["transports_used"] == r1["transports_used"] == [transport]
     # The workers stay identical (and started identical: different seeds).
     assert r0["weights"] == r1["weights"]
     w = _flat(r0["weights"])
@@ -293,6 +337,7 @@ def test_two_workers_match_one_and_mwms(trained):
     assert r0["eval"]["accuracy"] >= MIN_ACCURACY, r0["eval"]
 
 
+@verbs_too
 def test_custom_loop_run_and_reduce(trained):
     res, _ = trained
     r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
@@ -307,6 +352,7 @@ def test_custom_loop_run_and_reduce(trained):
                                atol=ATOL)
 
 
+@verbs_too
 def test_datasets_are_sharded_by_worker(trained):
     res, _ = trained
     r0, r1, single = res["rdma:0"], res["rdma:1"], res["single"]
@@ -484,10 +530,15 @@ result(out)
 """
 
 
-def test_two_replicas_per_worker_sum_locally_first():
+@verbs_too
+def test_two_replicas_per_worker_sum_locally_first(transport):
+    use_transport(transport)
+    env = {"MODE": "rdma"}
+    if transport != "auto":
+        env["TF_RDMA_TRANSPORT"] = transport
     rdma = make_cluster(2)
-    procs = {f"rdma:{i}": spawn_task(f"worker:{i}", LOCAL_REPLICAS, rdma,
-                                     {"MODE": "rdma"}) for i in range(2)}
+    procs = {f"rdma:{i}": spawn_task(f"worker:{i}", LOCAL_REPLICAS, rdma, env)
+             for i in range(2)}
     procs["single"] = spawn_task("worker:0", LOCAL_REPLICAS, make_cluster(1),
                                  {"MODE": "single"})
     out = collect(procs, timeout=200)
@@ -497,6 +548,8 @@ def test_two_replicas_per_worker_sum_locally_first():
     single = out["single"].result
     for i in range(2):
         r = out[f"rdma:{i}"].result
+        if transport != "auto":  # the workers' pair really used it
+            assert transports_used(out[f"rdma:{i}"].stderr) == [transport]
         assert r["replicas"] == 4
         assert r["sum"] == [10.0, 10.0] and r["mean"] == [2.5, 2.5]
         # Every replica gets the rows of replicas 0, 1 (worker 0), 2, 3.
