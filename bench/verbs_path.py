@@ -174,7 +174,7 @@ def main(argv=None):
                         "send_s": doc["wall_s"] / args.steps,
                         "cpu_s_per_gb": doc["cpu_s"] / gb, "counters": c})
     delay = {"TF_RDMA_SOFTNIC_DELAY_US": str(args.delay_us)}  # softnic only
-    for threads in (1, args.threads) if args.only != "copies" else ():
+    for threads in sorted({1, args.threads}) if args.only != "copies" else ():
         doc = run_group(args, "in-flight", {**softnic, **delay}, log,
                         threads=threads)
         writes = threads * args.writes

@@ -157,13 +157,13 @@ def test_bench_labels_emulated_numbers(tmp_path):
     out = tmp_path / "verbs_path.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "verbs_path.py"),
-         "--only", "in-flight", "--threads", "2", "--writes", "3",
+         "--only", "in-flight", "--threads", "1", "--writes", "3",
          "--delay-us", "0", "--json", str(out)],
         env=base_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     systems = {r["system"] for r in doc["results"]}
     assert systems == {"tf_rdma-verbs-emulated" if emulated else "tf_rdma-verbs"}
-    assert [r["threads"] for r in doc["results"]] == [1, 2]
+    assert [r["threads"] for r in doc["results"]] == [1]
     assert all(r["counters"]["writes"] >= 3 for r in doc["results"]), doc
     assert ("EMULATED" in proc.stdout) == emulated, proc.stdout
