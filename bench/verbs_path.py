@@ -25,14 +25,13 @@ import json
 import os
 import sys
 
-from _harness.children import (REPO, add_local_cluster, add_process_arguments,
+from _harness import nic
+from _harness.children import (add_local_cluster, add_process_arguments,
                                make_tf_rdma_job, run_processes, work_dir,
                                worker_env)
 from _harness.report import Run, print_table, save_json, write_json
 from _harness.units import human_size, human_time, parse_size
 from _harness.worker import group_cluster
-
-SOFTNIC_DIR = os.path.join(REPO, "build", "softnic")
 
 
 # --- inside a worker ---
@@ -108,8 +107,8 @@ def worker(args):
 # --- the orchestrator ---
 
 
-def run_group(args, scenario, extra_env, log, **worker_args):
-    env = worker_env()
+def run_group(args, base_env, scenario, extra_env, log, **worker_args):
+    env = dict(base_env)
     make_tf_rdma_job(env, "verbs")
     env.update(extra_env)
     add_local_cluster(env, 2, log)
@@ -145,6 +144,10 @@ def main(argv=None):
                              "long in the in-flight run (default 1000)")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds one group may take (default 300)")
+    parser.add_argument("--nic", choices=nic.MODES, default="auto",
+                        help="auto: the host's RDMA device if the engine can "
+                             "use one, else softnic; hardware; emulated "
+                             "(default auto)")
     parser.add_argument("--only", choices=("copies", "in-flight"),
                         help="run one of the two measurements")
     parser.add_argument("--json", help="also write the results here")
@@ -157,26 +160,19 @@ def main(argv=None):
 
     log = lambda msg: print(f"verbs_path: {msg}", file=sys.stderr, flush=True)
     run = Run("verbs_path", log)
-    # softnic unless this host has a usable RDMA port. verbs_status asks
-    # the engine in this process: its library brings TensorFlow's C++ logs.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tf_rdma import server
-    softnic = {}
-    if not server.verbs_status()["available"]:
-        softnic["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (SOFTNIC_DIR, os.environ.get("LD_LIBRARY_PATH")) if p)
+    env, selection = nic.select(args.nic, worker_env(), log)
+    if env is None:
+        raise SystemExit(f"verbs_path: {selection['why']}")
     results = []
     for odp in ("auto", "off") if args.only != "in-flight" else ():
-        doc = run_group(args, "copies", {**softnic, "TF_RDMA_VERBS_ODP": odp},
-                        log)
+        doc = run_group(args, env, "copies", {"TF_RDMA_VERBS_ODP": odp}, log)
         c, gb = doc["counters"], args.size * args.steps / 1e9
         results.append({"scenario": "copies", "odp": odp, "device": doc["device"],
                         "send_s": doc["wall_s"] / args.steps,
                         "cpu_s_per_gb": doc["cpu_s"] / gb, "counters": c})
     delay = {"TF_RDMA_SOFTNIC_DELAY_US": str(args.delay_us)}  # softnic only
     for threads in sorted({1, args.threads}) if args.only != "copies" else ():
-        doc = run_group(args, "in-flight", {**softnic, **delay}, log,
-                        threads=threads)
+        doc = run_group(args, env, "in-flight", delay, log, threads=threads)
         writes = threads * args.writes
         results.append({"scenario": "in-flight", "threads": threads,
                         "device": doc["device"],
@@ -187,11 +183,10 @@ def main(argv=None):
     # 1, ..."), not what this process guessed: the rule of `tf-rdma doctor`.
     emulated = any("(emulated)" in r["device"] for r in results)
 
-    system = "tf_rdma-verbs-emulated" if emulated else "tf_rdma-verbs"
+    system = nic.system_name("verbs", emulated)
     print(run.headline(f"verbs data path ({system})"))
     if emulated:
-        print("EMULATED: softnic moves bytes through Unix sockets; these "
-              "numbers say nothing about an RDMA NIC")
+        print(f"*** {nic.EMULATED_NOTE} ***")
     print(f"device: {results[0]['device']}")
     if args.only != "in-flight":
         print_table(
@@ -213,7 +208,7 @@ def main(argv=None):
              for r in results if r["scenario"] == "in-flight"])
     if args.json:
         write_json(args.json, run.document(
-            {"size_bytes": args.size, "steps": args.steps,
+            {"size_bytes": args.size, "steps": args.steps, "nic": selection,
              "threads": args.threads, "writes": args.writes,
              "delay_us": args.delay_us if emulated else None, **run.timing()},
             [{"system": system, **r} for r in results]))
