@@ -11,8 +11,8 @@ hardware (docs/verbs.md says what only hardware can show).
   sender's CPU seconds per GB sent (every thread of the process, the
   emulated NIC's included) and the pair counters (bytes staged / in place).
 - ``in-flight``: 1 and --threads threads each send --writes small tensors on
-  their own slot to the same peer, with softnic's responder holding each
-  message --delay-us (a long round trip, so that writes that wait for each
+  their own slot to the same peer, softnic sending each request --delay-us
+  after its post (a long wire latency, so that writes that wait for each
   other's round trips show). Reported: writes per second and the most
   writes the pair had in flight.
 
@@ -140,8 +140,9 @@ def main(argv=None):
     parser.add_argument("--writes", type=int, default=100,
                         help="4 KiB writes per thread (default 100)")
     parser.add_argument("--delay-us", type=int, default=1000,
-                        help="softnic: the responder holds each message this "
-                             "long in the in-flight run (default 1000)")
+                        help="softnic: each request leaves this long after "
+                             "its post in the in-flight run, a wire latency "
+                             "(default 1000)")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds one group may take (default 300)")
     parser.add_argument("--nic", choices=nic.MODES, default="auto",
@@ -170,7 +171,10 @@ def main(argv=None):
         results.append({"scenario": "copies", "odp": odp, "device": doc["device"],
                         "send_s": doc["wall_s"] / args.steps,
                         "cpu_s_per_gb": doc["cpu_s"] / gb, "counters": c})
-    delay = {"TF_RDMA_SOFTNIC_DELAY_US": str(args.delay_us)}  # softnic only
+    # softnic only: each request leaves --delay-us after its post, a latency
+    # that requests in flight together pay once (the responder's own
+    # TF_RDMA_SOFTNIC_DELAY_US would serialize them instead).
+    delay = {"TF_RDMA_SOFTNIC_SEND_DELAY_US": str(args.delay_us)}
     for threads in sorted({1, args.threads}) if args.only != "copies" else ():
         doc = run_group(args, env, "in-flight", delay, log, threads=threads)
         writes = threads * args.writes
@@ -200,7 +204,7 @@ def main(argv=None):
         print_table(
             ["in flight", "writes/s", "max in flight", "requests", "signaled"],
             [[f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
-              + (f", {args.delay_us} us hold" if emulated else ""),
+              + (f", {args.delay_us} us latency" if emulated else ""),
               f"{r['writes_per_s']:.0f}",
               str(r["counters"].get("max_writes_in_flight", "?")),
               str(r["counters"].get("requests", "?")),
