@@ -456,3 +456,22 @@ def test_cli_help_and_usage_errors(capsys):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_tensorflow_start_up_notices_are_dropped_unless_asked_for():
+    from tf_rdma import launch
+
+    notices = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        "I0000 00:00:1796379241.964989    5316 port.cc:153] oneDNN custom operations are on. "
+        "You may see slightly different numerical results",
+    ]
+    kept = ["tf_rdma[/job:ps/task:0]: pair /job:ps/task:0 <-> /job:worker/task:0: shm",
+            "W0000 00:00:1796379241.964989    5316 foo.cc:1] a real warning",
+            "Traceback (most recent call last):"]
+    assert all(launch._TF_STARTUP_NOTICE.search(line) for line in notices)
+    assert not any(launch._TF_STARTUP_NOTICE.search(line) for line in kept)
+    assert launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert not launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert not launch._quiet_tensorflow({})

@@ -16,6 +16,7 @@ for our own options, plus absl's flags (``--flagfile``, ``--undefok``,
 """
 
 import argparse
+import os
 import sys
 
 from absl.flags import argparse_flags
@@ -76,6 +77,10 @@ def main(argv=None):
     """
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    # The commands that load TensorFlow (inspect, doctor, bench) print
+    # tf_rdma's findings, not TensorFlow's INFO logs; TF_CPP_MIN_LOG_LEVEL=0
+    # brings them back.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return args.func(args)
 
 

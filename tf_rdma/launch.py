@@ -38,6 +38,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -89,6 +90,9 @@ _EPILOG = """\
 environment:
   TF_RDMA_SECRET       job secret for the servers and CMD (default: 32 random bytes, in hex)
   TF_RDMA_PORT_OFFSET  endpoint port = gRPC port + offset (default 1000)
+  TF_CPP_MIN_LOG_LEVEL TensorFlow's C++ log level in the tasks (default here: 2, warnings and
+                       INFO off, and TensorFlow's start-up notices dropped from the servers'
+                       output; 0 shows them all)
   TF_RDMA_TRANSPORT    and every other variable is passed through to servers and CMD
 
 exit status:
@@ -299,6 +303,18 @@ def _exit_status(returncode):
     return returncode
 
 
+# TensorFlow's notices at start-up that it prints before its log level is
+# read (absl's preamble, oneDNN's INFO line), whatever TF_CPP_MIN_LOG_LEVEL
+# says: dropped from a task's stderr when the level asks for no INFO.
+_TF_STARTUP_NOTICE = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|^I\d{4} [\d:. ]+\d+ port\.cc:\d+\] oneDNN custom operations are on")
+
+
+def _quiet_tensorflow(env):
+    return env.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
+
+
 class _Output:
     """Serializes the launcher's and the servers' lines on stderr."""
 
@@ -336,6 +352,7 @@ class _Server:
         self.threads = []
 
     def start(self, argv, env, out, preexec):
+        self.env = env
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -366,6 +383,8 @@ class _Server:
                         self.bad_ready_line = line
                     self.ready.set()
                 elif not is_stdout:
+                    if _quiet_tensorflow(self.env) and _TF_STARTUP_NOTICE.search(line):
+                        continue
                     self.tail.append(line)
                 to_stdout = is_stdout and self.stdout_to_stdout
                 out.write(self.label + line, sys.stdout if to_stdout else None)
@@ -457,6 +476,9 @@ class _Launcher:
         preexec = _parent_death_signal()
         base_env = dict(os.environ)
         base_env["TF_RDMA_SECRET"] = self.secret
+        # What a user sees first is tf_rdma's lines, not TensorFlow's INFO
+        # logs (one can ask for them back).
+        base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         server_env = dict(base_env)
         server_env["PYTHONUNBUFFERED"] = "1"
         _add_package_to_path(server_env)
