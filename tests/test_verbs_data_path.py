@@ -129,25 +129,34 @@ result({"errors": errors, "counters": pairs[0]["counters"] if pairs else None})
 """
 
 
-def test_writes_from_threads_are_in_flight_together():
+@pytest.mark.parametrize("setting", ["in_place", "staged_queue_of_4"])
+def test_writes_from_threads_are_in_flight_together(setting):
     require_verbs()
     program = (f"THREADS = {THREADS}\nTHREAD_STEPS = {THREAD_STEPS}\n"
                f"THREAD_ELEMENTS = {THREAD_ELEMENTS}\n" + THREADED)
     # softnic's responder holds each message 2 ms (a long round trip), so
     # that writes serialized one after another could not go unnoticed.
+    env = {"TF_RDMA_TRANSPORT": "verbs", "TF_RDMA_TIMEOUT": "60",
+           "TF_RDMA_SOFTNIC_DELAY_US": "2000"}
+    if setting == "staged_queue_of_4":
+        # The smallest send queue and staged payloads: writers wait for room
+        # and for staging chunks while others' requests are in flight.
+        env.update(TF_RDMA_VERBS_QUEUE_DEPTH="4", TF_RDMA_VERBS_ODP="off")
     out = run_tasks({"worker:0": program, "worker:1": program},
-                    cluster=make_cluster(2),
-                    env={"TF_RDMA_TRANSPORT": "verbs", "TF_RDMA_TIMEOUT": "60",
-                         "TF_RDMA_SOFTNIC_DELAY_US": "2000"},
-                    timeout=240)
+                    cluster=make_cluster(2), env=env, timeout=240)
     sender, receiver = out["worker:0"].result, out["worker:1"].result
     assert sender["errors"] == [] and receiver["errors"] == []
     counters = sender["counters"]
     assert counters["writes"] >= THREADS * THREAD_STEPS
     assert counters["max_writes_in_flight"] >= 2, counters
-    # Selective signalling: notices and the occasional request ask for a
-    # completion, payload writes from memory the NIC reads in place do not.
-    assert counters["signaled"] < counters["requests"], counters
+    if setting == "in_place":
+        # Selective signalling: notices and the occasional request ask for a
+        # completion, payload writes the NIC reads in place do not.
+        assert counters["signaled"] < counters["requests"], counters
+        assert counters["bytes_staged"] == 0, counters
+    else:
+        assert counters["bytes_in_place"] == 0, counters
+        assert counters["bytes_staged"] >= THREADS * THREAD_STEPS * THREAD_ELEMENTS * 4
 
 
 def test_bench_labels_emulated_numbers(tmp_path):
