@@ -52,6 +52,7 @@ import sys
 import tf_rdma, tf_rdma.errors, tf_rdma.cluster, tf_rdma.settings
 import tf_rdma.graph_passes.plan, tf_rdma.launch, tf_rdma.doctor.command, tf_rdma.cli
 import tf_rdma.collectives, tf_rdma.collectives.simulate, tf_rdma.collectives.cost
+import tf_rdma.counters  # tf_rdma.stats(): loads the library only when called
 tf_rdma.cli.build_parser()  # every subcommand's module (`tf-rdma launch`, ...)
 plan = tf_rdma.Plan([tf_rdma.Transfer("x", "/job:w/task:0", "/job:w/task:1", "float32", [4])])
 from tf_rdma import _native

@@ -17,6 +17,9 @@ covers several checks:
   last bucket's gradients, and write (chief) and read (all) a checkpoint.
   The RdmaStrategy workers run again over verbs (softnic where the host has
   no RDMA port) and are held to the same references.
+- `test_stats_callback_logs_rates_and_wait_fractions`: the RdmaStrategy
+  workers' fit ran with `tf_rdma.keras.StatsCallback`, whose keys are in
+  every epoch of the History with plausible values.
 - `test_checkpoint_from_two_workers_restores_in_one`: one plain Keras
   process restores that checkpoint and evaluates it.
 - `test_killed_worker_fails_fast`: one worker dies (SIGKILL) while the other
@@ -100,8 +103,12 @@ keras.utils.set_random_seed(1 + rank)
 with strategy.scope():
     model = make_model()
     compile_model(model)
+callbacks = []
+if MODE == "rdma":  # tf_rdma's counters in the epochs' logs
+    import tf_rdma.keras
+    callbacks.append(tf_rdma.keras.StatsCallback())
 hist = model.fit(x_train, y_train, batch_size=GB, epochs=%(epochs)d,
-                 shuffle=False, verbose=0)
+                 shuffle=False, verbose=0, callbacks=callbacks)
 out["history"] = hist.history
 out["eval"] = model.evaluate(x_test, y_test, batch_size=GB, verbose=0,
                              return_dict=True)
@@ -389,6 +396,27 @@ def test_gradients_go_in_static_buckets(trained):
     assert r0["bucket_inputs"] == [3, 1]
     # Bucket 0's all-reduce does not wait for bucket 1's gradient.
     assert r0["first_bucket_waits_for_last_grads"] is False
+
+
+def test_stats_callback_logs_rates_and_wait_fractions(trained):
+    res, _ = trained
+    for worker in ("rdma:0", "rdma:1"):
+        history = res[worker]["history"]
+        for key in ("tf_rdma_sent_MBps", "tf_rdma_received_MBps",
+                    "tf_rdma_credit_wait_fraction",
+                    "tf_rdma_data_wait_fraction"):
+            assert len(history.get(key, [])) == EPOCHS, (worker, key, history)
+        # Every epoch all-reduces 20 batches of 9.4 KiB of gradients (plus the
+        # metrics) with the other worker: both directions move bytes, at far
+        # less than 100 GB/s.
+        for key in ("tf_rdma_sent_MBps", "tf_rdma_received_MBps"):
+            assert all(0 < v < 1e5 for v in history[key]), (worker, key, history[key])
+        for key in ("tf_rdma_credit_wait_fraction", "tf_rdma_data_wait_fraction"):
+            assert all(0 <= v <= 1 for v in history[key]), (worker, key, history[key])
+        # Collectives wait for the peer's blocks: some data wait in the fit.
+        assert max(history["tf_rdma_data_wait_fraction"]) > 0, history
+    # The single process has no peers and ran without the callback.
+    assert "tf_rdma_sent_MBps" not in res["single"]["history"]
 
 
 def test_checkpoint_from_two_workers_restores_in_one(trained):

@@ -15,6 +15,8 @@ Main entry points:
     tf_rdma.rewrite         decorator: a multi-task tf.function's tensors via tf_rdma
     tf_rdma.collectives     allreduce/broadcast/reduce/allgather (lp, ring, tree, rhd)
     tf_rdma.distribute      RdmaStrategy: data-parallel Keras fit and custom loops
+    tf_rdma.stats           the transfer counters: bytes, transfers, waits per peer
+    tf_rdma.keras           StatsCallback: MB/s and wait fractions in Keras' logs
 """
 
 import importlib
@@ -35,8 +37,9 @@ _LAZY = {
     "Server": "tf_rdma.server",
     "endpoint_info": "tf_rdma.server",
     "start_endpoint": "tf_rdma.server",
+    "stats": "tf_rdma.counters",
 }
-_LAZY_MODULES = ("ops", "collectives", "distribute")
+_LAZY_MODULES = ("ops", "collectives", "distribute", "keras")
 
 __all__ = ["errors", *_LAZY_MODULES, *_LAZY]
 

@@ -106,6 +106,8 @@ def load():
         cdll.tfrdma_started.restype = ctypes.c_int
         cdll.tfrdma_info.argtypes = [ctypes.c_char_p, ctypes.c_int]
         cdll.tfrdma_info.restype = ctypes.c_int
+        cdll.tfrdma_stats.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        cdll.tfrdma_stats.restype = ctypes.c_int
         cdll.tfrdma_verbs_probe.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
                                             ctypes.c_int]
         cdll.tfrdma_verbs_probe.restype = ctypes.c_int

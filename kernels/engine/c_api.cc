@@ -47,6 +47,17 @@ int tfrdma_info(char* out, int outlen) {
   return static_cast<int>(info.size()) + 1;
 }
 
+// Copies Stats() (JSON, Engine::Stats: the transfer counters) into out;
+// returns the length it needs (call again if larger).
+int tfrdma_stats(char* out, int outlen) {
+  std::string stats = tf_rdma::Engine::Get()->Stats();
+  if (out != nullptr && outlen > 0) {
+    std::strncpy(out, stats.c_str(), outlen - 1);
+    out[outlen - 1] = '\0';
+  }
+  return static_cast<int>(stats.size()) + 1;
+}
+
 // Whether the verbs transport is usable in this process, as the engine would
 // decide at start: opens (and closes) the RDMA device with the verbs_* lines
 // of `config` (EngineConfig keys; a listen= line gives the host whose

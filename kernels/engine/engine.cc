@@ -258,6 +258,16 @@ std::string Engine::Info() {
   return out + "]}";
 }
 
+std::string Engine::Stats() {
+  std::string task;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    task = config_.task;
+  }
+  std::string counters = stats_.Json();  // "{...}"
+  return "{\"task\": " + JsonString(task) + ", " + counters.substr(1);
+}
+
 std::string Engine::HostId() const {
   // Same boot of the same kernel and the same network namespace: peers that
   // share both can map each other's /dev/shm segments (transport_choice.h).

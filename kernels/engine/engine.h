@@ -26,8 +26,9 @@
 // handshake.cc (the bootstrap handshake), peers.cc (restarted peers),
 // connections.cc (connections after the handshake), regions.cc (regions and
 // OPEN requests), send.cc, match.cc (matching calls), recv.cc, poller.cc
-// (waiting for a recv without a thread per wait) and thread_pool.{h,cc}
-// (blocking-work threads); engine_internal.h holds the state they share.
+// (waiting for a recv without a thread per wait), thread_pool.{h,cc}
+// (blocking-work threads) and stats.{h,cc} (the transfer counters);
+// engine_internal.h holds the state they share.
 #ifndef TF_RDMA_ENGINE_ENGINE_H_
 #define TF_RDMA_ENGINE_ENGINE_H_
 
@@ -49,6 +50,7 @@
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
+#include "kernels/engine/stats.h"
 #include "kernels/engine/thread_pool.h"
 #include "kernels/transport/factory.h"
 #include "kernels/transport/transport.h"
@@ -133,6 +135,9 @@ struct SlotSpec {
   // call's id and the reader takes only its own call's copy (see
   // match.cc). false: both sides pair their ops in order.
   bool match_calls = false;
+  // A dynamic slot (kDynamicMetaBytes): its payload is a DynamicMeta, and
+  // the tensor's bytes are counted when the recv resolves it.
+  bool dynamic = false;
 
   // Checks that the slot fits its region and its credit line fits the credit
   // region; the message names the values.
@@ -152,6 +157,7 @@ struct SendRegion;
 struct SendBinding {
   std::shared_ptr<Connection> conn;
   int data_handle = -1;
+  PeerCounters* stats = nullptr;  // of the peer and this connection's transport
 };
 
 // A claimed step of a send: which copy, and where the payload goes.
@@ -164,6 +170,9 @@ struct SendTicket {
   // Bytes to write, if fewer than the slot's nbytes (a collective's last,
   // shorter block); 0: the slot's nbytes.
   uint64_t nbytes = 0;
+  // When the send found its copy not yet released (a credit wait began);
+  // the epoch: it has not waited (stats.h).
+  Clock::time_point waiting_since{};
 };
 
 // A claimed step of a recv.
@@ -174,6 +183,12 @@ struct RecvTicket {
   uint64_t call = 0;  // match_calls: take only a copy written by this call
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
   uint8_t* payload = nullptr;  // valid once the recv completed ok
+  // Bytes the writer wrote, if fewer than the slot's nbytes (a collective's
+  // last, shorter block); 0: the slot's nbytes. For the counters only.
+  uint64_t nbytes = 0;
+  // When the recv first found no data (a data wait began); the epoch: it
+  // has not waited (stats.h).
+  Clock::time_point waiting_since{};
 };
 
 class Engine {
@@ -193,18 +208,22 @@ class Engine {
   // ({writer, reader, transport} per live connection) and regions ({id,
   // name, segment, bytes}, id = the region's index).
   std::string Info();
+  // The transfer counters as JSON (TransferStats::Json) with "task" added:
+  // tf_rdma.stats() (docs/observability.md).
+  std::string Stats();
 
   // Send: ClaimSend in op order, then FinishSend (may block, bounded). A
   // step that fails is retried by the next op on the slot (see StepCounter).
   // TrySendNow does it all without blocking if the slot is connected and
-  // the credit is already there; returns false if it would have to wait.
+  // the credit is already there; returns false if it would have to wait
+  // (and notes in the ticket when a credit wait began, for the counters).
   // `call` identifies the op's call where spec.match_calls.
   Status ClaimSend(const SlotSpec& spec, SendTicket* ticket,
                    uint64_t call = 0);
-  bool TrySendNow(const SendTicket& ticket, const void* data, Status* status);
+  bool TrySendNow(SendTicket* ticket, const void* data, Status* status);
   Status FinishSend(const SendTicket& ticket, const void* data);
   // The same for a dynamic slot: `data` holds meta.nbytes bytes.
-  bool TrySendDynamicNow(const SendTicket& ticket, const void* data,
+  bool TrySendDynamicNow(SendTicket* ticket, const void* data,
                          const DynamicMeta& meta, Status* status);
   Status FinishSendDynamic(const SendTicket& ticket, const void* data,
                            const DynamicMeta& meta);
@@ -312,6 +331,8 @@ class Engine {
                           const Region& credits, const Deadline& deadline,
                           int* handle, const std::string& refusal = "");
   bool CreditReady(const SendTicket& ticket) const;
+  // CreditReady, noting in the ticket when a credit wait begins.
+  bool CreditReadyOrWait(SendTicket* ticket);
   Status OpenSendRegion(const SlotSpec& spec,
                         const std::shared_ptr<Connection>& conn,
                         const Deadline& deadline, SendRegion* region);
@@ -336,6 +357,11 @@ class Engine {
   Status RecvTimedOut(RecvSlot* slot, const std::string& what,
                       const Status& timeout);
   void GiveBackRecv(RecvTicket* ticket, const Status& why);
+  // Counts a recv that ends (ok: its bytes and one receive) and the data
+  // wait it had, if any (stats.h). Called once per recv, where it completes.
+  void CountRecv(RecvTicket* ticket, bool ok);
+  // The counters of the slot's writer (of "none" if it never connected).
+  PeerCounters* RecvCounters(RecvSlot* slot);
 
   // The poller (poller.cc).
   struct PendingRecv;
@@ -425,6 +451,9 @@ class Engine {
   bool have_waitv_ = true;                   // poller thread only
   std::atomic<int> help_misses_{0};   // HelpRecvs in a row that found nothing
   std::atomic<uint32_t> help_calls_{0};
+
+  // The transfer counters (stats.h).
+  TransferStats stats_;
 };
 
 }  // namespace tf_rdma

@@ -76,6 +76,9 @@ struct LocalRegion {
   // reason instead of a timeout; later OPENs are refused with it too.
   std::string refusal;
   bool opened = false;  // a writer opened it (Engine::mu_)
+  // The counters of the writer's peer and transport (stats.h), set with
+  // `writer`; read lock-free by the recvs that count what they took.
+  std::atomic<PeerCounters*> stats{nullptr};
 };
 
 // A step that fails is given back (the next op on the slot retries the same
@@ -101,6 +104,7 @@ struct SendSlot {
   int data_handle = -1;
   Region* credits = nullptr;
   uint32_t credits_id = 0;  // the credit region's id here, for OPEN requests
+  PeerCounters* stats = nullptr;  // the peer's, for conn's transport
   // Dynamic slots: the current payload area (see kDynamicMetaBytes), under
   // dynamic_mu.
   std::mutex dynamic_mu;

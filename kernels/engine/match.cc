@@ -80,6 +80,8 @@ Status Engine::AcquireCopy(SendTicket* ticket,
             WordWatch{credit, static_cast<uint32_t>(released), true});
       }
     }
+    // No copy is free: a credit wait (counted by SendStep, stats.h).
+    TransferStats::StartWait(&ticket->waiting_since, &stats_.credit_busy);
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
       return DeadlineExceeded(

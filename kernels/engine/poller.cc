@@ -88,6 +88,8 @@ void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
   auto p = std::make_shared<PendingRecv>();
   p->engine = this;
   p->ticket = ticket;
+  // A recv that waits here waits for its data (PollRecv began the wait).
+  TransferStats::StartWait(&p->ticket.waiting_since, &stats_.data_busy);
   p->done = std::move(done);
   p->deadline = Deadline(ticket.timeout_ms);
   if (spec.match_calls) {
@@ -134,6 +136,7 @@ bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
   if (!s.ok()) GiveBackRecv(&ticket, s);
+  CountRecv(&ticket, s.ok());
   p->done(s, ticket);
   return true;
 }

@@ -67,7 +67,11 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
 }
 
 bool Engine::PollRecv(RecvTicket* ticket) {
-  if (TryRecvNow(ticket)) return true;
+  if (TryRecvNow(ticket)) {
+    CountRecv(ticket, true);
+    return true;
+  }
+  TransferStats::StartWait(&ticket->waiting_since, &stats_.data_busy);
   // A slot whose data never lands within the poll (a recv that starts long
   // before its sender, as in a chain of hops started by one call) would
   // only hold TensorFlow's thread: after two misses in a row, poll only
@@ -79,6 +83,7 @@ bool Engine::PollRecv(RecvTicket* ticket) {
   }
   if (PollRecvFor(ticket)) {
     misses.store(0, std::memory_order_relaxed);
+    CountRecv(ticket, true);
     return true;
   }
   misses.fetch_add(1, std::memory_order_relaxed);
@@ -100,14 +105,38 @@ bool Engine::PollRecvFor(RecvTicket* ticket) {
 Status Engine::FinishRecv(RecvTicket* ticket) {
   Deadline deadline(ticket->timeout_ms);
   while (!TryRecvNow(ticket)) {
+    TransferStats::StartWait(&ticket->waiting_since, &stats_.data_busy);
     Status s = RecvStep(ticket, deadline);
     if (!s.ok()) {
       GiveBackRecv(ticket, s);
+      CountRecv(ticket, false);
       return s;
     }
-    if (!ticket->slot->spec.match_calls) return Status::Ok();
+    if (!ticket->slot->spec.match_calls) break;
   }
+  CountRecv(ticket, true);
   return Status::Ok();
+}
+
+PeerCounters* Engine::RecvCounters(RecvSlot* slot) {
+  PeerCounters* c = slot->region->stats.load(std::memory_order_acquire);
+  return c != nullptr ? c : stats_.For(slot->spec.peer, kNoTransport);
+}
+
+void Engine::CountRecv(RecvTicket* ticket, bool ok) {
+  const SlotSpec& spec = ticket->slot->spec;
+  PeerCounters* c = RecvCounters(ticket->slot);
+  TransferStats::EndWait(&ticket->waiting_since, &stats_.data_busy,
+                         &c->data_waits, &c->data_wait_ns);
+  if (!ok) return;
+  PeerCounters::Add(&c->receives, 1);
+  // A dynamic slot's bytes are the tensor's, counted by ResolveDynamic.
+  if (!spec.dynamic) {
+    PeerCounters::Add(&c->bytes_received,
+                      ticket->nbytes != 0 && ticket->nbytes < spec.nbytes
+                          ? ticket->nbytes
+                          : spec.nbytes);
+  }
 }
 
 void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
@@ -197,6 +226,7 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   }
   ticket->payload =
       area->memory->data() + kDynamicHeaderBytes + ticket->copy * capacity;
+  PeerCounters::Add(&RecvCounters(slot)->bytes_received, meta->nbytes);
   return Status::Ok();
 }
 

@@ -199,6 +199,8 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
         region->writer = conn;
         region->credit_handle = handle;
         region->opened = true;
+        region->stats.store(stats_.For(conn->peer, conn->pair->transport()),
+                            std::memory_order_release);
       }
     }
   }

@@ -58,7 +58,7 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
   Status lost;
   if (slot->bound) {
     if (!slot->conn->gone.load(std::memory_order_acquire)) {
-      *out = SendBinding{slot->conn, slot->data_handle};
+      *out = SendBinding{slot->conn, slot->data_handle, slot->stats};
       return Status::Ok();
     }
     // The connection was lost. Dial again, briefly: the peer may be back
@@ -129,8 +129,9 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
   slot->data_handle = region->data_handle;
   slot->credits = region->credits;
   slot->credits_id = region->credits_id;
+  slot->stats = stats_.For(spec.peer, slot->conn->pair->transport());
   slot->bound = true;
-  *out = SendBinding{slot->conn, slot->data_handle};
+  *out = SendBinding{slot->conn, slot->data_handle, slot->stats};
   return Status::Ok();
 }
 
@@ -236,17 +237,26 @@ bool Engine::CreditReady(const SendTicket& ticket) const {
          CreditNeeded(spec, ticket.step);
 }
 
-bool Engine::TrySendNow(const SendTicket& ticket, const void* data,
+bool Engine::CreditReadyOrWait(SendTicket* ticket) {
+  if (CreditReady(*ticket)) return true;
+  // Not bound yet: the send connects first, which is no credit wait.
+  if (ticket->slot->bound.load(std::memory_order_acquire)) {
+    TransferStats::StartWait(&ticket->waiting_since, &stats_.credit_busy);
+  }
+  return false;
+}
+
+bool Engine::TrySendNow(SendTicket* ticket, const void* data,
                         Status* status) {
-  if (!CreditReady(ticket)) return false;
-  *status = FinishSend(ticket, data);
+  if (!CreditReadyOrWait(ticket)) return false;
+  *status = FinishSend(*ticket, data);
   return true;
 }
 
-bool Engine::TrySendDynamicNow(const SendTicket& ticket, const void* data,
+bool Engine::TrySendDynamicNow(SendTicket* ticket, const void* data,
                                const DynamicMeta& meta, Status* status) {
-  if (!CreditReady(ticket)) return false;
-  *status = FinishSendDynamic(ticket, data, meta);
+  if (!CreditReadyOrWait(ticket)) return false;
+  *status = FinishSendDynamic(*ticket, data, meta);
   return true;
 }
 
@@ -295,6 +305,9 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket,
       TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
           binding.conn, name, size, spec.plan_hash, slot->credits_id,
           *slot->credits, deadline, &new_handle));
+      if (slot->capacity > 0 && binding.stats != nullptr) {
+        PeerCounters::Add(&binding.stats->dynamic_regrowths, 1);
+      }
       slot->generation += 1;
       slot->capacity = wanted;
       slot->payload_handle = new_handle;
@@ -310,6 +323,35 @@ Status Engine::WriteDynamicPayload(const SendTicket& ticket,
       copy * kCreditLineBytes, ticket.step, deadline);
 }
 
+namespace {
+
+// Ends a send's credit wait, if it had one (begun in TrySendNow, SendStep or
+// AcquireCopy): at End() once the copy is free, or when the step ends
+// however it ends. Counted for the peer's transport, or for "none" when
+// the send has no connection.
+class CreditWaitEnd {
+ public:
+  CreditWaitEnd(TransferStats* stats, const std::string& peer,
+                Clock::time_point* since, PeerCounters* const* counters)
+      : stats_(stats), peer_(peer), since_(since), counters_(counters) {}
+  ~CreditWaitEnd() { End(); }
+  void End() {
+    if (*since_ == Clock::time_point{}) return;
+    PeerCounters* c =
+        *counters_ != nullptr ? *counters_ : stats_->For(peer_, kNoTransport);
+    TransferStats::EndWait(since_, &stats_->credit_busy, &c->credit_waits,
+                           &c->credit_wait_ns);
+  }
+
+ private:
+  TransferStats* stats_;
+  const std::string& peer_;
+  Clock::time_point* since_;
+  PeerCounters* const* counters_;
+};
+
+}  // namespace
+
 Status Engine::SendStep(SendTicket ticket, const void* data,
                         const DynamicMeta* dynamic) {
   SendSlot* slot = ticket.slot;
@@ -318,6 +360,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
                      spec.Describe(spec.match_calls ? ticket.call : ticket.step);
   Deadline deadline(ticket.timeout_ms);
   SendBinding bound;
+  CreditWaitEnd credit_wait(&stats_, spec.peer, &ticket.waiting_since,
+                            &bound.stats);
   Status s = BindSendSlot(slot, deadline, &bound);
   const std::shared_ptr<Connection>& conn = bound.conn;
   if (!s.ok()) {
@@ -327,15 +371,21 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   }
   if (spec.match_calls) {
     TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, conn, deadline, what));
+    credit_wait.End();
     // The call's id first, then the data and the step's notice: a reader
     // that sees the notice sees the id (writes on a pair apply in order).
     s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
                           CopyOffset(spec, ticket.copy) + kCallWordOffset,
                           ticket.call, deadline);
   } else {
-    s = WaitForWord(CreditWord(slot->credits, spec, ticket.copy),
-                    CreditNeeded(spec, ticket.step), deadline,
+    std::atomic<uint64_t>* credit = CreditWord(slot->credits, spec, ticket.copy);
+    if (credit->load(std::memory_order_acquire) <
+        CreditNeeded(spec, ticket.step)) {
+      TransferStats::StartWait(&ticket.waiting_since, &stats_.credit_busy);
+    }
+    s = WaitForWord(credit, CreditNeeded(spec, ticket.step), deadline,
                     [&] { return CheckPeerAlive(conn, what); });
+    credit_wait.End();
   }
   if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
@@ -363,6 +413,11 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
     }
     s = conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes, data,
                           nbytes, copy, ticket.step, deadline);
+    if (s.ok() && bound.stats != nullptr) {
+      PeerCounters::Add(&bound.stats->writes, 1);
+      PeerCounters::Add(&bound.stats->bytes_sent,
+                        dynamic != nullptr ? meta.nbytes : nbytes);
+    }
   }
   if (spec.match_calls) {
     std::lock_guard<std::mutex> lock(slot->mu);

@@ -97,6 +97,7 @@ absl::Status ReadSpec(OpKernelConstruction* ctx, DataType dtype,
           std::to_string(kMaxDynamicRank));
     }
     spec->nbytes = kDynamicMetaBytes;
+    spec->dynamic = true;
   } else {
     TensorShape full;
     if (!shape->AsTensorShape(&full)) {
@@ -147,8 +148,8 @@ class SendOp : public AsyncOpKernel {
     }
     const void* data = input.tensor_data().data();
     Status now;
-    if (dynamic_ ? engine->TrySendDynamicNow(ticket, data, meta, &now)
-                 : engine->TrySendNow(ticket, data, &now)) {
+    if (dynamic_ ? engine->TrySendDynamicNow(&ticket, data, meta, &now)
+                 : engine->TrySendNow(&ticket, data, &now)) {
       OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
       done();
       // An answer often follows a send: wait for it on this thread, which

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "kernels/engine/engine.h"
+#include "kernels/engine/stats.h"
 #include "kernels/common/region.h"
 #include "kernels/common/sha256.h"
 #include "kernels/common/status.h"
@@ -2101,6 +2102,60 @@ TEST(config_timeout_ms_past_clock_range) {
   EXPECT_GT(far.RemainingMs(), int64_t{0});
   Deadline most(std::numeric_limits<int64_t>::max());
   EXPECT_FALSE(most.Expired());
+}
+
+TEST(stats_busy_clock_counts_overlapping_waits_once) {
+  // Two waits overlapping for 1 s of their 2 s each: 3 s busy, not 4.
+  tf_rdma::BusyClock busy;
+  tf_rdma::Clock::time_point t0 = tf_rdma::Clock::now();
+  auto at = [&](int s) { return t0 + std::chrono::seconds(s); };
+  busy.End(at(0));  // an End without a Begin changes nothing
+  EXPECT_EQ(busy.BusyNs(at(0)), uint64_t{0});
+  busy.Begin(at(0));
+  busy.Begin(at(1));
+  EXPECT_EQ(busy.waiting(), 2);
+  busy.End(at(2));
+  EXPECT_EQ(busy.BusyNs(at(2)), uint64_t{2000000000});  // still waiting
+  busy.End(at(3));
+  EXPECT_EQ(busy.waiting(), 0);
+  EXPECT_EQ(busy.BusyNs(at(10)), uint64_t{3000000000});
+}
+
+TEST(stats_table_waits_and_json) {
+  tf_rdma::TransferStats stats;
+  tf_rdma::PeerCounters* shm = stats.For("/job:w/task:1", "shm");
+  EXPECT_TRUE(shm == stats.For("/job:w/task:1", "shm"));  // one per pair
+  tf_rdma::PeerCounters* tcp = stats.For("/job:w/task:1", "tcp");
+  EXPECT_TRUE(shm != tcp);
+  tf_rdma::PeerCounters::Add(&shm->bytes_sent, 4096);
+  tf_rdma::PeerCounters::Add(&shm->writes, 1);
+  // A wait that never began ends as nothing; one that began counts once.
+  tf_rdma::Clock::time_point since{};
+  tf_rdma::TransferStats::EndWait(&since, &stats.data_busy, &shm->data_waits,
+                                  &shm->data_wait_ns);
+  EXPECT_EQ(shm->data_waits.load(), uint64_t{0});
+  tf_rdma::TransferStats::StartWait(&since, &stats.data_busy);
+  tf_rdma::Clock::time_point first = since;
+  tf_rdma::TransferStats::StartWait(&since, &stats.data_busy);  // no-op
+  EXPECT_TRUE(since == first);
+  EXPECT_EQ(stats.data_busy.waiting(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  tf_rdma::TransferStats::EndWait(&since, &stats.data_busy, &shm->data_waits,
+                                  &shm->data_wait_ns);
+  tf_rdma::TransferStats::EndWait(&since, &stats.data_busy, &shm->data_waits,
+                                  &shm->data_wait_ns);  // already ended
+  EXPECT_EQ(shm->data_waits.load(), uint64_t{1});
+  EXPECT_GE(shm->data_wait_ns.load(), uint64_t{20000000});
+  EXPECT_EQ(stats.data_busy.waiting(), 0);
+  EXPECT_GE(stats.data_busy.BusyNs(tf_rdma::Clock::now()),
+            shm->data_wait_ns.load());
+  std::string json = stats.Json();
+  EXPECT_CONTAINS(json, "{\"peer\": \"/job:w/task:1\", \"transport\": "
+                        "\"shm\", \"bytes_sent\": 4096, \"bytes_received\": 0, "
+                        "\"writes\": 1, \"receives\": 0, \"credit_waits\": 0, "
+                        "\"credit_wait_ns\": 0, \"data_waits\": 1, ");
+  EXPECT_CONTAINS(json, "\"transport\": \"tcp\", \"bytes_sent\": 0");
+  EXPECT_CONTAINS(json, "\"credit_waiting\": 0, \"data_waiting\": 0}");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Transfer counters: ``tf_rdma.stats()`` (docs/observability.md, "Counters").
+
+The engine counts, per peer and per transport, the payload bytes and the
+tensors (or collective blocks) this process moved, and the waits its ops
+had to make: a *credit wait* is a send whose copy in the reader's region
+was not released yet, a *data wait* a recv whose data had not landed when it
+first looked. The counters are relaxed atomic adds on the data path
+(kernels/engine/stats.h); this module reads them through the op library's C
+interface and shapes them as a dict.
+
+Counters only grow, from the start of the process (across endpoint
+restarts). To measure an interval, take two snapshots and subtract them
+with :func:`difference`, as ``tf_rdma.keras.StatsCallback`` does per epoch.
+"""
+
+import ctypes
+import json
+import time
+
+from tf_rdma import _loader
+
+__all__ = ["COUNTERS", "stats", "difference"]
+
+#: The counters of one peer and transport, of a transport, and of the total,
+#: each a key of the dicts :func:`stats` returns.
+COUNTERS = ("bytes_sent", "bytes_received", "writes", "receives",
+            "credit_waits", "credit_wait_seconds", "data_waits",
+            "data_wait_seconds", "dynamic_regrowths")
+
+_NANOSECOND_COUNTERS = {"credit_wait_ns": "credit_wait_seconds",
+                        "data_wait_ns": "data_wait_seconds"}
+
+#: Keys of a snapshot that are process-wide numbers, not per peer.
+PROCESS_KEYS = ("credit_wait_busy_seconds", "data_wait_busy_seconds")
+
+
+def _read_json():
+    """The engine's counters as the JSON object Engine::Stats() writes."""
+    c = _loader.load().c
+    size = c.tfrdma_stats(None, 0)
+    while True:
+        buf = ctypes.create_string_buffer(size + 1024)
+        size = c.tfrdma_stats(buf, len(buf))
+        if size <= len(buf):  # else it grew meanwhile: ask again
+            break
+    return json.loads(buf.value.decode("utf-8", errors="replace"))
+
+
+def _zero():
+    return {name: 0.0 if name.endswith("_seconds") else 0 for name in COUNTERS}
+
+
+def _counters(entry):
+    """One engine entry ({"peer", "transport", counters in ns}) as COUNTERS."""
+    out = {}
+    for name in COUNTERS:
+        if name.endswith("_seconds"):
+            ns_name = next(k for k, v in _NANOSECOND_COUNTERS.items() if v == name)
+            out[name] = int(entry[ns_name]) / 1e9
+        else:
+            out[name] = int(entry[name])
+    return out
+
+
+def _add(into, counters):
+    for name in COUNTERS:
+        into[name] += counters[name]
+
+
+def stats():
+    """Returns this process's transfer counters since it started.
+
+    A wait counts when the op could not go on at once; its time runs from
+    then until the op went on (or failed). Waits of concurrent ops overlap,
+    so summed wait seconds can exceed the wall time; the ``*_busy_seconds``
+    keys count the wall time during which at least one op waited instead.
+    Every key, its unit and when it changes: docs/observability.md.
+
+    Loads the op library (and so TensorFlow) if it is not loaded yet. In a
+    process whose endpoint never started, every counter is zero.
+
+    Returns:
+        A dict:
+
+        - ``task`` (str): this process's task ("" before the endpoint started).
+        - ``peers``: ``{peer task: {transport: counters}}``, where transport
+          is "shm", "tcp", "verbs", or "none" for waits on a peer that had no
+          connection (a send that could not connect, a recv whose writer never
+          opened its region).
+        - ``transports``: ``{transport: counters}`` summed over peers.
+        - ``total``: counters summed over everything.
+        - ``credit_wait_busy_seconds``, ``data_wait_busy_seconds`` (float):
+          wall time during which at least one op of this process waited for
+          a credit / for data.
+        - ``time`` (float): ``time.monotonic()`` when the counters were read.
+
+        ``counters`` is a dict with the keys of :data:`COUNTERS`:
+        ``bytes_sent``, ``bytes_received`` (payload bytes: the tensors' bytes,
+        no headers or credits), ``writes``, ``receives`` (tensors or
+        collective blocks), ``credit_waits``, ``data_waits`` (ints),
+        ``credit_wait_seconds``, ``data_wait_seconds`` (floats) and
+        ``dynamic_regrowths`` (int: dynamic tensors that did not fit their
+        payload area, which was replaced by a larger one).
+
+    Raises:
+        LibraryError: The op library is missing or does not load.
+    """
+    raw = _read_json()
+    now = time.monotonic()
+    peers, transports, total = {}, {}, _zero()
+    for entry in raw["peers"]:
+        counters = _counters(entry)
+        peers.setdefault(entry["peer"], {})[entry["transport"]] = counters
+        _add(transports.setdefault(entry["transport"], _zero()), counters)
+        _add(total, counters)
+    return {"task": raw["task"], "peers": peers, "transports": transports,
+            "total": total,
+            "credit_wait_busy_seconds": int(raw["credit_wait_busy_ns"]) / 1e9,
+            "data_wait_busy_seconds": int(raw["data_wait_busy_ns"]) / 1e9,
+            "time": now}
+
+
+def difference(after, before):
+    """What the counters grew by between two :func:`stats` snapshots.
+
+    Args:
+        after: The later snapshot.
+        before: The earlier snapshot of the same process.
+
+    Returns:
+        A dict shaped like :func:`stats`'s, with each counter and busy time
+        the growth between the snapshots (a peer or transport that is new in
+        ``after`` counts from zero), and ``elapsed_seconds`` (float) in place
+        of ``time``.
+
+    Raises:
+        ValueError: ``before`` is not earlier than ``after`` (a counter or the
+            time went down).
+    """
+    def minus(a, b, where):
+        out = {}
+        for name in COUNTERS:
+            out[name] = a[name] - b.get(name, 0)
+            if out[name] < 0:
+                raise ValueError(f"tf_rdma counter {where}{name} went down from "
+                                 f"{b[name]} to {a[name]}: `before` must be a "
+                                 f"snapshot taken before `after`")
+        return out
+
+    elapsed = after["time"] - before["time"]
+    if elapsed < 0:
+        raise ValueError(f"`before` was taken {-elapsed:.3f} s after `after`; "
+                         f"expected difference(later, earlier)")
+    peers = {}
+    for peer, by_transport in after["peers"].items():
+        for transport, counters in by_transport.items():
+            old = before["peers"].get(peer, {}).get(transport, {})
+            peers.setdefault(peer, {})[transport] = minus(
+                counters, old, f"peers[{peer!r}][{transport!r}].")
+    transports = {t: minus(c, before["transports"].get(t, {}), f"transports[{t!r}].")
+                  for t, c in after["transports"].items()}
+    out = {"task": after["task"], "peers": peers, "transports": transports,
+           "total": minus(after["total"], before["total"], "total."),
+           "elapsed_seconds": elapsed}
+    for key in PROCESS_KEYS:
+        out[key] = after[key] - before[key]
+    return out
