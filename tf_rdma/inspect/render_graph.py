@@ -523,11 +523,13 @@ def columns_svg(report):
         drawn.append((row, consumer, path, points, candidates))
     placed = []  # label boxes so far
     edges_svg = []
-    for i, (row, consumer, path, _, candidates) in enumerate(drawn):
+    for row, consumer, path, _, candidates in drawn:
         e = row.edge
         c, _, dash = KIND_STYLE[e.kind]
         text = _edge_label(row)
-        others = [pts for j, (_, _, _, pts, _) in enumerate(drawn) if j != i]
+        # The other consumers of the same transfer share its label text and
+        # start: they do not count as other edges.
+        others = [pts for other, _, _, pts, _ in drawn if other is not row]
 
         def conflicts(spot, text=text, others=others):
             box = _label_box(spot, text)
