@@ -31,10 +31,13 @@ help:
 # Optional, each tried once (a stamp in build/), their tests skip without them:
 # chromium for the test that loads `tf-rdma inspect --format html` in a
 # headless browser (large, and not every distribution has it under that name);
+# graphviz, whose `dot` lays out the HTML graph of `tf-rdma inspect` (without
+# it the page uses its built-in layout, and the Graphviz tests skip);
 # python3-pyverbs, the distribution's pyverbs matching its rdma-core, for
 # `tf-rdma doctor` (docs/doctor.md; the PyPI pyverbs does not import on
 # rdma-core 44).
 CHROMIUM_TRIED := build/.chromium-tried
+GRAPHVIZ_TRIED := build/.graphviz-tried
 PYVERBS_TRIED := build/.pyverbs-tried
 
 system-packages:
@@ -44,6 +47,7 @@ system-packages:
 	[ -e /usr/include/infiniband/verbs.h ] || missing="$$missing libibverbs-dev"; \
 	optional=""; \
 	if ! command -v chromium >/dev/null 2>&1 && [ ! -e $(CHROMIUM_TRIED) ]; then optional="chromium"; fi; \
+	if ! command -v dot >/dev/null 2>&1 && [ ! -e $(GRAPHVIZ_TRIED) ]; then optional="$$optional graphviz"; fi; \
 	if ! dpkg -s python3-pyverbs >/dev/null 2>&1 && [ ! -e $(PYVERBS_TRIED) ]; then optional="$$optional python3-pyverbs"; fi; \
 	if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 	if [ -n "$$missing" ]; then \
@@ -51,7 +55,7 @@ system-packages:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends $$missing || exit 1; \
 	fi; \
 	if [ -n "$$optional" ]; then \
-	  mkdir -p build && touch $(CHROMIUM_TRIED) $(PYVERBS_TRIED); \
+	  mkdir -p build && touch $(CHROMIUM_TRIED) $(GRAPHVIZ_TRIED) $(PYVERBS_TRIED); \
 	  if [ -n "$$SUDO" ]; then SUDO="sudo -n"; fi; \
 	  { [ -n "$$missing" ] || $$SUDO apt-get update -qq; }; \
 	  for pkg in $$optional; do \

@@ -20,6 +20,9 @@ One module per job:
 * :mod:`~tf_rdma.inspect.render_text`, :mod:`~tf_rdma.inspect.render_json`,
   :mod:`~tf_rdma.inspect.render_graph` (DOT, and the SVG drawing),
   :mod:`~tf_rdma.inspect.render_html`: one renderer per ``--format``.
+* :mod:`~tf_rdma.inspect.local_cluster`: ``--cluster`` (or ``TF_CONFIG``):
+  in-process local servers for the tasks a script creates variables on at
+  import time.
 * :mod:`~tf_rdma.inspect.command`: the command line (``COMMAND``).
 
 Nothing here is imported by ``import tf_rdma``; building the ``tf-rdma``

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from tf_rdma.inspect.load import InspectError
-from tf_rdma.inspect.render_graph import render_dot
+from tf_rdma.inspect.render_graph import LAYOUTS, GraphvizError, render_dot
 from tf_rdma.inspect.render_html import render_html
 from tf_rdma.inspect.render_json import render_json
 from tf_rdma.inspect.render_text import render_text
@@ -36,7 +36,8 @@ FORMATS = ("text", "json", "dot", "html")
 DEFAULT_CALLER_DEVICE = "/job:localhost/replica:0/task:0"
 
 _USAGE = ("%(prog)s [-h] [--signature EXPR] [--signature-key KEY] "
-          "[--caller-device DEV] [--endpoint-tasks TASKS] [--depth N] "
+          "[--caller-device DEV] [--endpoint-tasks TASKS] [--cluster JOBS] "
+          "[--depth N] [--graph-layout {auto,graphviz,columns}] "
           "[--format {text,json,dot,html}] [--output PATH] [--traceback] INPUT")
 
 _DESCRIPTION = """\
@@ -49,7 +50,9 @@ INPUT is one of
   MODULE.py:FUNCTION   a Python file and a function in it (tf.function,
                        @tf_rdma.rewrite or plain; FUNCTION may be dotted,
                        e.g. model.step); it is traced, no cluster needed
-  pkg.module:FUNCTION  the same for an importable module
+  pkg.module:FUNCTION  the same for an importable module (a module that
+                       creates variables on other tasks at import time
+                       needs --cluster, or TF_CONFIG, to run them locally)
   DIR                  a SavedModel directory
   FILE.pb, FILE.pbtxt  a GraphDef, binary or text
 """
@@ -68,6 +71,7 @@ exit status:
 examples:
   tf-rdma inspect model.py:train_step --signature "[tf.TensorSpec([32, 784])]"
   tf-rdma inspect exported_model/ --format html --output plan.html
+  tf-rdma inspect train.py:train_step --cluster worker:2,ps:1   # variables on ps:0 at import
   tf-rdma inspect graph.pbtxt --endpoint-tasks worker:0,worker:1 --format dot | dot -Tsvg > plan.svg
 """
 
@@ -107,6 +111,14 @@ def _caller_device(text):
     return text
 
 
+def _cluster(text):
+    from tf_rdma.inspect.local_cluster import parse_cluster  # pylint: disable=import-outside-toplevel
+    try:
+        return parse_cluster(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_arguments(parser):
     """Adds the ``inspect`` options to an argparse parser."""
     parser.add_argument(
@@ -135,6 +147,14 @@ def add_arguments(parser):
              "worker:0,worker:1,ps:0; edges to or from other tasks stay on "
              "gRPC (default: every task except the caller's)")
     parser.add_argument(
+        "--cluster", metavar="JOBS", type=_cluster, default=None,
+        help="start in-process local servers for these tasks before "
+             "importing the module, e.g. worker:2,ps:1 (worker:0, worker:1, "
+             "ps:0), so that a script that creates variables under "
+             "tf.device('/job:ps/task:0') at import time can be inspected as "
+             "it is; default: the jobs of TF_CONFIG's cluster when it is set "
+             "(its addresses are not used); 'none': no servers")
+    parser.add_argument(
         "--depth", metavar="N", type=_depth, default=None,
         help="copies per slot in the plan (steps in flight), 1 to 64 "
              "(default 2, or the depth of a @tf_rdma.rewrite function)")
@@ -143,6 +163,12 @@ def add_arguments(parser):
         help="text (default): tables and a summary; json: everything, for "
              "tools; dot: Graphviz, one cluster per task; html: one "
              "self-contained page with the graph and the table")
+    parser.add_argument(
+        "--graph-layout", choices=LAYOUTS, default="auto",
+        help="html only: how the graph is laid out. graphviz: by Graphviz's "
+             "dot (must be installed); columns: the built-in layout, one "
+             "column per task; auto (default): graphviz where dot is "
+             "installed, else columns")
     parser.add_argument(
         "--output", "-o", metavar="PATH", default=None,
         help="write to PATH instead of stdout")
@@ -157,7 +183,11 @@ def run(args, parser=None):
         report = build_report(args, parser)
         if not report.analysis.edges:
             raise _NoTransfers(report)
-        text = render(report, args.format)
+        try:
+            text = render(report, args.format,
+                          getattr(args, "graph_layout", None) or "auto")
+        except GraphvizError as err:
+            raise InspectError(f"--graph-layout graphviz: {err}") from err
         _write(text, args.output)
         return 0
     except _NoTransfers as exc:
@@ -249,7 +279,12 @@ def _write(text, path):
         raise InspectError(f"cannot write {path}: {err.strerror or err}") from err
 
 
-def render(report, fmt):
-    """Returns the report as text in ``fmt`` (one of :data:`FORMATS`)."""
-    return {"text": render_text, "json": render_json, "dot": render_dot,
-            "html": render_html}[fmt](report)
+def render(report, fmt, layout="auto"):
+    """Returns the report as text in ``fmt`` (one of :data:`FORMATS`).
+
+    ``layout`` is the HTML graph's (one of
+    :data:`~tf_rdma.inspect.render_graph.LAYOUTS`); other formats ignore it.
+    """
+    if fmt == "html":
+        return render_html(report, layout)
+    return {"text": render_text, "json": render_json, "dot": render_dot}[fmt](report)

@@ -6,7 +6,10 @@
   and traces the function (a ``tf.function``, a ``@tf_rdma.rewrite``
   function or a plain Python function), with ``--signature`` when it takes
   arguments (:func:`load_function`). Tracing records the ``tf.device``
-  placements; no cluster is needed.
+  placements; no cluster is needed, except for variables that the module
+  creates on other tasks at import time: ``--cluster`` (or ``TF_CONFIG``)
+  starts in-process local servers for those first (:func:`start_cluster`,
+  :mod:`tf_rdma.inspect.local_cluster`).
 * a SavedModel directory: loads it and takes one signature (``--signature-key``,
   default ``serving_default``); the signature's wrapper call is inlined, so the
   graph analysed is the saved function's own (:func:`load_saved_model`,
@@ -30,7 +33,7 @@ import re
 import sys
 import traceback
 
-__all__ = ["InspectError", "Loaded", "load_input", "load_function",
+__all__ = ["InspectError", "Loaded", "load_input", "start_cluster", "load_function",
            "load_saved_model", "load_graph_file", "inline_calls",
            "with_shapes"]
 
@@ -63,17 +66,29 @@ def load_input(args, parser=None):
             os.path.basename(spec) not in ("saved_model.pb", "saved_model.pbtxt"):
         _usage(parser, "--signature-key is for SavedModel directories only")
     if os.path.isdir(spec):
-        return load_saved_model(spec, args.signature_key, args.signature, parser)
+        notes = start_cluster(args)
+        return _noted(load_saved_model(spec, args.signature_key, args.signature,
+                                       parser), notes)
     if os.path.basename(spec) in ("saved_model.pb", "saved_model.pbtxt"):
-        return load_saved_model(os.path.dirname(spec) or ".", args.signature_key,
-                                args.signature, parser)
+        notes = start_cluster(args)
+        return _noted(load_saved_model(os.path.dirname(spec) or ".",
+                                       args.signature_key, args.signature,
+                                       parser), notes)
     module, sep, attr = spec.rpartition(":")
     if sep and module and not os.path.exists(spec) and (
             module.endswith(".py") or os.path.isfile(module)
             or _MODULE_RE.fullmatch(module)):
         if not attr:
             raise InspectError(f"{spec!r} names no function after the ':'")
-        return load_function(module, attr, args.signature, parser)
+        notes = start_cluster(args)
+        try:
+            loaded = load_function(module, attr, args.signature, parser)
+        except InspectError as err:
+            hint = _cluster_hint(str(err), notes)
+            if hint:
+                raise InspectError(f"{err}; {hint}") from err
+            raise
+        return _noted(loaded, notes)
     if args.signature is not None:
         _usage(parser, "--signature is for MODULE.py:FUNCTION inputs and "
                        "restored functions of SavedModels")
@@ -88,6 +103,51 @@ def load_input(args, parser=None):
             f"no such file or directory: {spec} (expected MODULE.py:FUNCTION, "
             f"a SavedModel directory or a GraphDef .pb/.pbtxt file)")
     return load_graph_file(spec)
+
+
+def start_cluster(args):
+    """Starts the local servers of ``--cluster`` (or ``TF_CONFIG``), if any.
+
+    Only inputs that run Python (a function's module, a SavedModel's
+    restore) need them; a GraphDef file is read without.
+
+    Returns:
+      ``[note]`` saying which servers were started, or ``[]``.
+    """
+    from tf_rdma.inspect import local_cluster  # pylint: disable=import-outside-toplevel
+    jobs = getattr(args, "cluster", None)
+    where = "--cluster"
+    try:
+        if jobs is None:
+            jobs = local_cluster.cluster_from_env()
+            where = "TF_CONFIG"
+        if not jobs:
+            return []
+        local_cluster.start_local_cluster(jobs)
+    except local_cluster.ClusterError as err:
+        raise InspectError(str(err)) from err
+    tasks = ", ".join(local_cluster.task_names(jobs))
+    return [f"in-process local servers for {tasks} (from {where})"]
+
+
+def _noted(loaded, notes):
+    loaded.notes[:0] = notes
+    return loaded
+
+
+_DEVICE_ERROR_RE = re.compile(r"unknown device|/job:(?!localhost)[A-Za-z]\w*",
+                              re.IGNORECASE)
+
+
+def _cluster_hint(message, notes):
+    """A hint to use --cluster when an import failed on a remote device."""
+    if notes or "cannot import" not in message:
+        return None
+    if not _DEVICE_ERROR_RE.search(message):
+        return None
+    return ("if the module places variables on other tasks at import time, "
+            "--cluster JOB:COUNT,... (e.g. --cluster worker:2,ps:1) starts "
+            "in-process local servers for them first")
 
 
 def _usage(parser, message):

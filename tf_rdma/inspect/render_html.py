@@ -6,7 +6,7 @@ and the tables, with the styles in the page: it opens from a file, offline.
 
 import html
 
-from tf_rdma.inspect.render_graph import KIND_STYLE, svg
+from tf_rdma.inspect.render_graph import KIND_STYLE, dot_program, draw
 from tf_rdma.inspect.tables import (endpoint_text, pair_table, placement_rows,
                                     short, summary_lines, transfer_table)
 
@@ -33,18 +33,29 @@ tr.edge-row:target { background: #fff3bf; }
 .legend span { display: inline-block; margin-right: 16px; }
 .legend i { display: inline-block; width: 28px; height: 0; border-top: 3px solid;
             vertical-align: middle; margin-right: 6px; }
-svg text { font: 12px system-ui, Helvetica, Arial, sans-serif; }
-svg .task-title { font-weight: 700; font-size: 14px; text-anchor: middle; }
-svg .node-label .op { fill: #495057; font-size: 10px; }
-svg .edge-label { font-size: 11px; font-weight: 600; text-anchor: middle;
-                  paint-order: stroke; stroke: #fff; stroke-width: 4px; }
+svg.columns text { font: 12px system-ui, Helvetica, Arial, sans-serif; }
+svg.columns .task-title { font-weight: 700; font-size: 14px; text-anchor: middle; }
+svg.columns .node-label .op { fill: #495057; font-size: 10px; }
+svg.columns .edge-label { font-size: 11px; font-weight: 600; text-anchor: middle;
+                          paint-order: stroke; stroke: #fff; stroke-width: 4px; }
 svg g.transfer:hover path { stroke-width: 4; }
+svg.graphviz g.transfer text { paint-order: stroke; stroke: #fff; stroke-width: 3px; }
+.layout { color: #868e96; font-size: 12px; margin: 4px 0 0; }
 ul.summary { margin: 0; padding-left: 20px; }
 """
 
 
-def render_html(report):
-    """One self-contained page: header, graph (inline SVG), tables, summary."""
+def render_html(report, layout=None):
+    """One self-contained page: header, graph (inline SVG), tables, summary.
+
+    Args:
+      report: the :class:`~tf_rdma.inspect.report.Report`.
+      layout: the graph's layout, one of
+        :data:`~tf_rdma.inspect.render_graph.LAYOUTS`; default the report's
+        ``--graph-layout``, else "auto" (Graphviz where installed).
+    """
+    if layout is None:
+        layout = getattr(report.args, "graph_layout", None) or "auto"
     esc = html.escape
     plan = report.plan
     a = report.analysis
@@ -78,7 +89,15 @@ def render_html(report):
         parts.append(f'<span><i style="border-top-color:{c};border-top-style:{style}"></i>'
                      f"{kind}</span>")
     parts.append("</p>")
-    parts.append('<div class="graph">' + svg(report) + "</div>")
+    drawing, used, note = draw(report, layout)
+    parts.append('<div class="graph">' + drawing + "</div>")
+    caption = ("laid out by Graphviz (dot)" if used == "graphviz" else
+               "built-in column layout; edges between non-adjacent tasks run "
+               "below the task boxes" + (" (install Graphviz for dot's layout)"
+                                         if dot_program() is None else ""))
+    if note:
+        caption += f"; note: {note}"
+    parts.append(f'<p class="layout" id="graph-layout">{esc(caption)}</p>')
     parts.append(f'<h2>Transfers ({len(report.rows)} cross-task edges)</h2>')
     header, rows = transfer_table(report)
     numeric = {0, 7, 10}

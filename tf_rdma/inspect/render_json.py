@@ -22,8 +22,9 @@ def report_dict(report):
         "caller_device": report.args.caller_device if report.args else None,
         "endpoint_tasks": (report.args.endpoint_tasks
                            if report.args is not None else None),
-        "notes": list(report.loaded.notes) if report.loaded else [],
         **d,
+        # The loader's notes (shapes, local servers), then the passes' own.
+        "notes": (list(report.loaded.notes) if report.loaded else []) + d["notes"],
         "regions": [dataclasses.asdict(r) for r in report.plan.regions],
         "pairs": [{"src": p.src, "dst": p.dst, "counts": p.counts,
                    "tf_rdma_bytes": p.planned_bytes, "kept_bytes": p.kept_bytes,
