@@ -46,6 +46,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/status.h"
+#include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
@@ -164,6 +165,9 @@ struct SendTicket {
   // Bytes to write, if fewer than the slot's nbytes (a collective's last,
   // shorter block); 0: the slot's nbytes.
   uint64_t nbytes = 0;
+  // When it was claimed, if tracing was on then (kernels/common/trace.h);
+  // 0: untraced, its phases record nothing.
+  int64_t traced_since = 0;
 };
 
 // A claimed step of a recv.
@@ -174,7 +178,14 @@ struct RecvTicket {
   uint64_t call = 0;  // match_calls: take only a copy written by this call
   int64_t timeout_ms = 0;  // this op's bound (ops sharing a slot may differ)
   uint8_t* payload = nullptr;  // valid once the recv completed ok
+  int64_t traced_since = 0;    // as SendTicket's
 };
+
+// The step a trace event of a transfer names: the call's id with
+// match_calls (as SlotSpec::Describe), else the slot's step.
+inline uint64_t TraceStep(const SlotSpec& spec, uint64_t step, uint64_t call) {
+  return spec.match_calls ? call : step;
+}
 
 class Engine {
  public:

@@ -17,6 +17,7 @@ namespace tf_rdma {
 Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
                          uint64_t call) {
   if (!started_) return NotStarted();
+  ticket->traced_since = trace::Claim();
   RecvSlot* slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -67,7 +68,10 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
 }
 
 bool Engine::PollRecv(RecvTicket* ticket) {
-  if (TryRecvNow(ticket)) return true;
+  if (TryRecvNow(ticket)) {
+    TraceDataWait(*ticket);
+    return true;
+  }
   // A slot whose data never lands within the poll (a recv that starts long
   // before its sender, as in a chain of hops started by one call) would
   // only hold TensorFlow's thread: after two misses in a row, poll only
@@ -79,6 +83,7 @@ bool Engine::PollRecv(RecvTicket* ticket) {
   }
   if (PollRecvFor(ticket)) {
     misses.store(0, std::memory_order_relaxed);
+    TraceDataWait(*ticket);
     return true;
   }
   misses.fetch_add(1, std::memory_order_relaxed);
@@ -105,8 +110,9 @@ Status Engine::FinishRecv(RecvTicket* ticket) {
       GiveBackRecv(ticket, s);
       return s;
     }
-    if (!ticket->slot->spec.match_calls) return Status::Ok();
+    if (!ticket->slot->spec.match_calls) break;
   }
+  TraceDataWait(*ticket);
   return Status::Ok();
 }
 
@@ -213,9 +219,12 @@ void Engine::Release(const RecvTicket& ticket) {
   if (!writer || stopping_) return;
   uint64_t line =
       static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
+  trace::Span release(ticket.traced_since);
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
                                  line * kCreditLineBytes, ticket.step,
                                  Deadline(config_.timeout_ms));
+  release.End(trace::kRelease, spec.tensor_name, spec.nbytes, spec.peer,
+              TraceStep(spec, ticket.step, ticket.call));
   if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
     Log("could not return the credit of " +
