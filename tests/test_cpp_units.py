@@ -5,7 +5,7 @@
 fuzz target uses (Makefile FUZZ_ENGINE: no TensorFlow) and runs it: the wire
 format and socket helpers, regions in /dev/shm and the collection of stale
 segments, EngineConfig::Parse, SlotSpec::Validate and the slot/credit layout,
-SHA-256/HMAC vectors, notice waits, the shm/tcp write paths, and
+SHA-256/HMAC vectors, the trace hooks, notice waits, the shm/tcp write paths, and
 ChooseTransport (which transport a pair uses). The first build takes about
 30 s of CPU; later runs reuse the binary until a source changes, and the run
 itself takes about a second.

@@ -116,6 +116,10 @@ def load():
                                             ctypes.c_char_p]
         cdll.tfrdma_hmac_sha256.restype = None
         cdll.tfrdma_built_tf_version.restype = ctypes.c_char_p
+        cdll.tfrdma_trace_bench.argtypes = [ctypes.c_int64]
+        cdll.tfrdma_trace_bench.restype = ctypes.c_int64
+        cdll.tfrdma_trace_events.argtypes = [ctypes.c_int]
+        cdll.tfrdma_trace_events.restype = None
         compiled = cdll.tfrdma_built_tf_version().decode()
         if compiled not in ("unknown", tf.__version__):
             raise LibraryError(

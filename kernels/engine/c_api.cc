@@ -1,10 +1,14 @@
 // The engine's control interface for Python (ctypes), next to the ops in the
 // same shared object: tf_rdma.Server starts the endpoint through it. Plain C
 // types only; errors come back as a message in a caller-owned buffer.
+#include <time.h>
+
+#include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "kernels/common/sha256.h"
+#include "kernels/common/trace.h"
 #include "kernels/engine/engine.h"
 #include "kernels/transport/factory.h"
 
@@ -90,6 +94,29 @@ int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
   if (!s.ok()) return Fail(s, out, outlen);
   return Fail(tf_rdma::Status(tf_rdma::Code::kOk, verbs->Describe()), out,
               outlen);
+}
+
+// Times `n` trace events as a transfer takes them (the claim's check, then
+// for a traced one a span from the claim to now with a slot's key, bytes,
+// peer and step) and returns the nanoseconds of this thread's CPU time they
+// took in all (CPU time: a busy machine that preempts the thread does not
+// count). With tracing off that is the cost of the check an untraced
+// transfer pays; with a profiler session running, of recording one event
+// (docs/observability.md).
+int64_t tfrdma_trace_bench(int64_t n) {
+  const std::string key = "bench/tensor:0", peer = "/job:worker/task:1";
+  auto cpu_ns = [] {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  };
+  int64_t start = cpu_ns();
+  for (int64_t i = 0; i < n; ++i) {
+    tf_rdma::trace::Span::At(tf_rdma::trace::Claim())
+        .End(tf_rdma::trace::kWrite, key, 4096, peer,
+             static_cast<uint64_t>(i + 1));
+  }
+  return cpu_ns() - start;
 }
 
 // HMAC-SHA256, exposed so that tests can check the handshake's primitive

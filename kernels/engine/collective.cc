@@ -113,6 +113,7 @@ struct InstanceState {
   std::string hash;
   std::string describe;
   std::string poisoned;
+  uint64_t calls = 0;  // the step its trace events name
 };
 
 std::mutex g_instances_mu;
@@ -309,11 +310,15 @@ Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
   ticket.nbytes = nbytes;  // the last block may be shorter (counters)
   if (s.ok()) s = engine_->FinishRecv(&ticket);
   if (!s.ok()) return Fail(s, "receiving from", from);
+  trace::Span apply(ticket.traced_since);
   if (local != nullptr) {
     reduce_(dst, local, ticket.payload, nbytes / spec_.element_bytes);
   } else {
     std::memcpy(dst, ticket.payload, nbytes);
   }
+  const SlotSpec& channel = Channel(from, rank_);
+  apply.End(local != nullptr ? trace::kReduce : trace::kCopy,
+            channel.tensor_name, nbytes, channel.peer, ticket.step);
   engine_->Release(ticket);
   return Status::Ok();
 }
@@ -724,8 +729,29 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
         "; give collectives of different shapes, dtypes or algorithms "
         "different names");
   }
+  uint64_t call = ++state->calls;
+  int64_t traced_since = trace::Claim();
   Status s = Runner(spec, hash, src, buf, reduce).Run();
   if (!s.ok()) state->poisoned = s.message();
+  if (traced_since != 0) {
+    std::string group;
+    for (const std::string& task : spec.group) {
+      group += (group.empty() ? "" : " ") + task;
+    }
+    uint64_t bytes = spec.count * spec.element_bytes;
+    if (spec.kind == CollectiveKind::kAllGather) bytes *= spec.group.size();
+    trace::Event e;
+    e.name = trace::kCollective;
+    e.key = &spec.instance;
+    e.bytes = bytes;
+    e.peer = &group;
+    e.step = call;
+    e.kind = KindName(spec.kind);
+    e.algorithm = AlgorithmName(spec.algorithm);
+    e.start_ns = traced_since;
+    e.end_ns = std::max(traced_since, trace::NowNs());
+    trace::Record(e);
+  }
   return s;
 }
 

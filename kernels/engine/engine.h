@@ -47,6 +47,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/status.h"
+#include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
@@ -173,6 +174,9 @@ struct SendTicket {
   // When the send found its copy not yet released (a credit wait began);
   // the epoch: it has not waited (stats.h).
   Clock::time_point waiting_since{};
+  // When it was claimed, if tracing was on then (kernels/common/trace.h);
+  // 0: untraced, its phases record nothing.
+  int64_t traced_since = 0;
 };
 
 // A claimed step of a recv.
@@ -189,7 +193,14 @@ struct RecvTicket {
   // When the recv first found no data (a data wait began); the epoch: it
   // has not waited (stats.h).
   Clock::time_point waiting_since{};
+  int64_t traced_since = 0;    // as SendTicket's
 };
+
+// The step a trace event of a transfer names: the call's id with
+// match_calls (as SlotSpec::Describe), else the slot's step.
+inline uint64_t TraceStep(const SlotSpec& spec, uint64_t step, uint64_t call) {
+  return spec.match_calls ? call : step;
+}
 
 class Engine {
  public:

@@ -21,6 +21,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/status.h"
+#include "kernels/common/trace.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
 #include "kernels/engine/engine.h"
@@ -203,6 +204,16 @@ inline std::atomic<uint64_t>* CreditWord(Region* credits, const SlotSpec& spec,
 // Slot specs (config.cc).
 
 // Where a slot is registered: its region and offset.
+// Records a traced recv's data wait, from its claim until now: called once
+// its data landed (PollRecv, FinishRecv, the poller's TakePending).
+inline void TraceDataWait(const RecvTicket& ticket) {
+  if (ticket.traced_since == 0) return;
+  const SlotSpec& spec = ticket.slot->spec;
+  trace::Span::At(ticket.traced_since)
+      .End(trace::kDataWait, spec.tensor_name, spec.nbytes, spec.peer,
+           TraceStep(spec, ticket.step, ticket.call));
+}
+
 std::string SlotKey(const SlotSpec& spec);
 // The error of an op that runs before the endpoint started.
 Status NotStarted();

@@ -135,7 +135,11 @@ bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
     if (it != waiting_.end()) waiting_.erase(it);
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
-  if (!s.ok()) GiveBackRecv(&ticket, s);
+  if (s.ok()) {
+    TraceDataWait(ticket);
+  } else {
+    GiveBackRecv(&ticket, s);
+  }
   CountRecv(&ticket, s.ok());
   p->done(s, ticket);
   return true;

@@ -17,6 +17,7 @@ namespace tf_rdma {
 Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
                          uint64_t call) {
   if (!started_) return NotStarted();
+  ticket->traced_since = trace::Claim();
   RecvSlot* slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -69,6 +70,7 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
 bool Engine::PollRecv(RecvTicket* ticket) {
   if (TryRecvNow(ticket)) {
     CountRecv(ticket, true);
+    TraceDataWait(*ticket);
     return true;
   }
   TransferStats::StartWait(&ticket->waiting_since, &stats_.data_busy);
@@ -84,6 +86,7 @@ bool Engine::PollRecv(RecvTicket* ticket) {
   if (PollRecvFor(ticket)) {
     misses.store(0, std::memory_order_relaxed);
     CountRecv(ticket, true);
+    TraceDataWait(*ticket);
     return true;
   }
   misses.fetch_add(1, std::memory_order_relaxed);
@@ -115,6 +118,7 @@ Status Engine::FinishRecv(RecvTicket* ticket) {
     if (!ticket->slot->spec.match_calls) break;
   }
   CountRecv(ticket, true);
+  TraceDataWait(*ticket);
   return Status::Ok();
 }
 
@@ -243,9 +247,12 @@ void Engine::Release(const RecvTicket& ticket) {
   if (!writer || stopping_) return;
   uint64_t line =
       static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
+  trace::Span release(ticket.traced_since);
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
                                  line * kCreditLineBytes, ticket.step,
                                  Deadline(config_.timeout_ms));
+  release.End(trace::kRelease, spec.tensor_name, spec.nbytes, spec.peer,
+              TraceStep(spec, ticket.step, ticket.call));
   if (!s.ok() && writer->pair->broken()) CloseConnection(writer, s);
   if (!s.ok() && CheckPeerAlive(writer, "").ok()) {
     Log("could not return the credit of " +

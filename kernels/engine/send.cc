@@ -24,6 +24,7 @@ constexpr int64_t kRedialMs = 1000;
 Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
                          uint64_t call) {
   if (!started_) return NotStarted();
+  ticket->traced_since = trace::Claim();
   SendSlot* slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -369,9 +370,22 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
                ? DeadlineExceeded(what + ": " + s.message())
                : s.Prefixed(what);
   }
+  // Traced: the credit wait, then the write (the call's id, the dynamic
+  // payload and the data with its notice), as two phases.
+  uint64_t nbytes = spec.nbytes;
+  if (dynamic != nullptr) {
+    nbytes = dynamic->nbytes;
+  } else if (ticket.nbytes != 0 && ticket.nbytes < nbytes) {
+    nbytes = ticket.nbytes;
+  }
+  const uint64_t trace_step = TraceStep(spec, ticket.step, ticket.call);
+  trace::Span credit_trace(ticket.traced_since);
+  int64_t write_from = 0;
   if (spec.match_calls) {
     TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, conn, deadline, what));
     credit_wait.End();
+    write_from = credit_trace.End(trace::kCreditWait, spec.tensor_name, nbytes,
+                                  spec.peer, trace_step);
     // The call's id first, then the data and the step's notice: a reader
     // that sees the notice sees the id (writes on a pair apply in order).
     s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
@@ -386,6 +400,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
     s = WaitForWord(credit, CreditNeeded(spec, ticket.step), deadline,
                     [&] { return CheckPeerAlive(conn, what); });
     credit_wait.End();
+    write_from = credit_trace.End(trace::kCreditWait, spec.tensor_name, nbytes,
+                                  spec.peer, trace_step);
   }
   if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
@@ -407,17 +423,15 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   }
   uint64_t copy = CopyOffset(spec, ticket.copy);
   if (s.ok()) {
-    uint64_t nbytes = spec.nbytes;
-    if (dynamic == nullptr && ticket.nbytes != 0 && ticket.nbytes < nbytes) {
-      nbytes = ticket.nbytes;
-    }
     s = conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes, data,
-                          nbytes, copy, ticket.step, deadline);
+                          dynamic != nullptr ? spec.nbytes : nbytes, copy,
+                          ticket.step, deadline);
     if (s.ok() && bound.stats != nullptr) {
       PeerCounters::Add(&bound.stats->writes, 1);
-      PeerCounters::Add(&bound.stats->bytes_sent,
-                        dynamic != nullptr ? meta.nbytes : nbytes);
+      PeerCounters::Add(&bound.stats->bytes_sent, nbytes);
     }
+    trace::Span::At(write_from)
+        .End(trace::kWrite, spec.tensor_name, nbytes, spec.peer, trace_step);
   }
   if (spec.match_calls) {
     std::lock_guard<std::mutex> lock(slot->mu);

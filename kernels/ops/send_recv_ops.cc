@@ -118,6 +118,15 @@ uint64_t CallOf(OpKernelContext* ctx) {
   return static_cast<uint64_t>(ctx->step_id());
 }
 
+// Records a traced op's event (tf_rdma.send / tf_rdma.recv), from its claim
+// until now; nothing for an untraced one (kernels/common/trace.h).
+void TraceOp(const char* name, const SlotSpec& spec, int64_t traced_since,
+             uint64_t step, uint64_t call, uint64_t bytes) {
+  trace::Span::At(traced_since)
+      .End(name, spec.tensor_name, bytes, spec.peer,
+           TraceStep(spec, step, call));
+}
+
 class SendOp : public AsyncOpKernel {
  public:
   explicit SendOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -148,8 +157,11 @@ class SendOp : public AsyncOpKernel {
     }
     const void* data = input.tensor_data().data();
     Status now;
+    const uint64_t nbytes = dynamic_ ? meta.nbytes : spec_.nbytes;
     if (dynamic_ ? engine->TrySendDynamicNow(&ticket, data, meta, &now)
                  : engine->TrySendNow(&ticket, data, &now)) {
+      TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
+              ticket.call, nbytes);
       OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
       done();
       // An answer often follows a send: wait for it on this thread, which
@@ -159,12 +171,16 @@ class SendOp : public AsyncOpKernel {
     }
     Tensor keep = input;  // holds the input buffer until the write is done
     bool dynamic = dynamic_;
-    engine->Schedule([ctx, done, ticket, keep, meta, dynamic, engine]() {
-      const void* data = keep.tensor_data().data();
-      ctx->SetStatus(ToTf(dynamic ? engine->FinishSendDynamic(ticket, data, meta)
-                                  : engine->FinishSend(ticket, data)));
-      done();
-    });
+    engine->Schedule(
+        [this, ctx, done, ticket, keep, meta, dynamic, engine, nbytes]() {
+          const void* data = keep.tensor_data().data();
+          Status s = dynamic ? engine->FinishSendDynamic(ticket, data, meta)
+                             : engine->FinishSend(ticket, data);
+          TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
+                  ticket.call, nbytes);
+          ctx->SetStatus(ToTf(s));
+          done();
+        });
   }
 
  private:
@@ -196,6 +212,8 @@ class RecvOp : public AsyncOpKernel {
           if (s.ok()) {
             Emit(ctx, t);
           } else {
+            TraceOp(trace::kRecv, spec_, t.traced_since, t.step, t.call,
+                    spec_.nbytes);
             ctx->SetStatus(ToTf(s));
           }
           done();
@@ -231,11 +249,15 @@ class RecvOp : public AsyncOpKernel {
       }
       if (!shaped.ok()) {
         Engine::Get()->Release(ticket);
+        TraceOp(trace::kRecv, spec_, ticket.traced_since, ticket.step,
+                ticket.call, spec_.nbytes);
         ctx->SetStatus(shaped);
         return;
       }
       nbytes = meta.nbytes;
     }
+    TraceOp(trace::kRecv, spec_, ticket.traced_since, ticket.step,
+            ticket.call, nbytes);
     auto* buffer = new SlotBuffer(ticket, nbytes);
     Tensor out(dtype_, shape, buffer);
     buffer->Unref();  // `out` holds the reference now

@@ -1,8 +1,9 @@
 // C++ unit tests of the engine pieces that work without TensorFlow (issue 14):
 // the wire format and socket helpers, regions and the collection of stale
 // segments, the engine's config parser, SlotSpec::Validate and the
-// slot/credit layout it guards, SHA-256/HMAC, the notice-word waits, the
-// shm/tcp transports' write paths, and which transport a pair uses.
+// slot/credit layout it guards, SHA-256/HMAC, the trace hooks, the
+// notice-word waits, the shm/tcp transports' write paths, and which
+// transport a pair uses.
 //
 // Built by `make cpp-test` with g++ from the same engine sources as the fuzz
 // target (Makefile FUZZ_ENGINE), no TensorFlow, no gtest: a small CHECK/EXPECT
@@ -60,6 +61,7 @@
 #include "kernels/common/sha256.h"
 #include "kernels/common/status.h"
 #include "kernels/common/text.h"
+#include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
 #include "kernels/common/wire.h"
@@ -1559,6 +1561,95 @@ TEST(hex_and_constant_time_equal) {
     EXPECT_FALSE(tf_rdma::ConstantTimeEqual(a, b, 32));
     b[i] ^= 0x80;
   }
+}
+
+// ---------------------------------------------------------------------------
+// Trace hooks (kernels/common/trace.h): the engine records through a sink
+// only while the sink's level word is at trace::kLevel or above.
+
+namespace {
+
+std::atomic<int> g_trace_word{-1};
+int64_t g_trace_clock = 1000;
+std::vector<std::string> g_trace_events;
+
+int64_t TraceClock() { return g_trace_clock += 10; }
+
+void CollectTraceEvent(const tf_rdma::trace::Event& e) {
+  g_trace_events.push_back(
+      std::string(e.name) + " key=" + *e.key + " bytes=" +
+      std::to_string(e.bytes) + " peer=" + *e.peer + " step=" +
+      std::to_string(e.step) + (e.kind ? std::string(" kind=") + e.kind : "") +
+      " [" + std::to_string(e.start_ns) + "," + std::to_string(e.end_ns) + "]");
+}
+
+}  // namespace
+
+TEST(trace_records_only_while_the_level_is_on) {
+  namespace trace = tf_rdma::trace;
+  const std::string key = "dense/kernel:0", peer = "/job:worker/task:1";
+  g_trace_events.clear();
+  trace::Uninstall();
+  EXPECT_FALSE(trace::On());  // no sink: never on
+  EXPECT_EQ(trace::Claim(), int64_t{0});
+  trace::Install(trace::Sink{&g_trace_word, &TraceClock, &CollectTraceEvent});
+  g_trace_word.store(trace::kLevel - 1);  // a session below tf_rdma's level
+  EXPECT_FALSE(trace::On());
+  int64_t since = trace::Claim();
+  EXPECT_EQ(since, int64_t{0});
+  EXPECT_EQ(trace::Span(since).End(trace::kWrite, key, 8, peer, 1), int64_t{0});
+  EXPECT_EQ(trace::Span::At(since).End(trace::kSend, key, 8, peer, 1),
+            int64_t{0});
+  EXPECT_EQ(g_trace_events.size(), size_t{0});
+
+  g_trace_word.store(trace::kLevel);
+  EXPECT_TRUE(trace::On());
+  g_trace_clock = 1000;
+  since = trace::Claim();  // 1010
+  EXPECT_EQ(since, int64_t{1010});
+  trace::Span wait(since);  // starts at 1020
+  int64_t written_from = wait.End(trace::kCreditWait, key, 4096, peer, 7);
+  EXPECT_EQ(written_from, int64_t{1030});
+  trace::Span::At(written_from).End(trace::kWrite, key, 4096, peer, 7);
+  trace::Span::At(since).End(trace::kSend, key, 4096, peer, 7);
+  trace::Event e;
+  std::string group = "/job:worker/task:0 /job:worker/task:1";
+  std::string instance = "grads";
+  e.name = trace::kCollective;
+  e.key = &instance;
+  e.peer = &group;
+  e.bytes = 64;
+  e.step = 3;
+  e.kind = "allreduce";
+  e.start_ns = 5;
+  e.end_ns = 9;
+  trace::Record(e);
+  e.start_ns = 0;  // untraced: dropped
+  trace::Record(e);
+  ASSERT_EQ(g_trace_events.size(), size_t{4});
+  EXPECT_EQ(g_trace_events[0],
+            std::string("tf_rdma.credit_wait key=dense/kernel:0 bytes=4096 "
+                        "peer=/job:worker/task:1 step=7 [1020,1030]"));
+  EXPECT_EQ(g_trace_events[1],
+            std::string("tf_rdma.write key=dense/kernel:0 bytes=4096 "
+                        "peer=/job:worker/task:1 step=7 [1030,1040]"));
+  EXPECT_EQ(g_trace_events[2],
+            std::string("tf_rdma.send key=dense/kernel:0 bytes=4096 "
+                        "peer=/job:worker/task:1 step=7 [1010,1050]"));
+  EXPECT_EQ(g_trace_events[3],
+            std::string("tf_rdma.collective key=grads bytes=64 "
+                        "peer=/job:worker/task:0 /job:worker/task:1 step=3 "
+                        "kind=allreduce [5,9]"));
+
+  // The session ends: a transfer claimed now is untraced again.
+  g_trace_word.store(-1);
+  EXPECT_FALSE(trace::On());
+  EXPECT_EQ(trace::Claim(), int64_t{0});
+  trace::Uninstall();
+  g_trace_word.store(trace::kLevel);
+  EXPECT_FALSE(trace::On());  // the built-in sink's word, not ours
+  g_trace_word.store(-1);
+  EXPECT_EQ(g_trace_events.size(), size_t{4});
 }
 
 // ---------------------------------------------------------------------------
