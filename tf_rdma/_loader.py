@@ -65,6 +65,23 @@ class _Library:
         self.c = cdll
 
 
+def read_json(function):
+    """Calls the op library's ``function(buf, size)`` and parses the JSON it
+    writes (tfrdma_info, tfrdma_stats: they return the size they need).
+
+    Raises:
+        LibraryError: The library cannot be loaded.
+    """
+    fn = getattr(load().c, function)
+    size = fn(None, 0)
+    while True:
+        buf = ctypes.create_string_buffer(size + 1024)
+        size = fn(buf, len(buf))
+        if size <= len(buf):  # else it grew meanwhile: ask again
+            break
+    return json.loads(buf.value.decode("utf-8", errors="replace"))
+
+
 def load():
     """Loads the op library (once) and returns it.
 

@@ -13,8 +13,6 @@ restarts). To measure an interval, take two snapshots and subtract them
 with :func:`difference`, as ``tf_rdma.keras.StatsCallback`` does per epoch.
 """
 
-import ctypes
-import json
 import time
 
 from tf_rdma import _loader
@@ -32,18 +30,6 @@ _NANOSECOND_COUNTERS = {"credit_wait_ns": "credit_wait_seconds",
 
 #: Keys of a snapshot that are process-wide numbers, not per peer.
 PROCESS_KEYS = ("credit_wait_busy_seconds", "data_wait_busy_seconds")
-
-
-def _read_json():
-    """The engine's counters as the JSON object Engine::Stats() writes."""
-    c = _loader.load().c
-    size = c.tfrdma_stats(None, 0)
-    while True:
-        buf = ctypes.create_string_buffer(size + 1024)
-        size = c.tfrdma_stats(buf, len(buf))
-        if size <= len(buf):  # else it grew meanwhile: ask again
-            break
-    return json.loads(buf.value.decode("utf-8", errors="replace"))
 
 
 def _zero():
@@ -105,7 +91,7 @@ def stats():
     Raises:
         LibraryError: The op library is missing or does not load.
     """
-    raw = _read_json()
+    raw = _loader.read_json("tfrdma_stats")
     now = time.monotonic()
     peers, transports, total = {}, {}, _zero()
     for entry in raw["peers"]:

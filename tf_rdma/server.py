@@ -16,7 +16,6 @@ Run a server from the command line (tf-rdma launch does this)::
 
 import argparse
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -82,14 +81,7 @@ def endpoint_info():
     ``id`` is what a peer's frames name it by), and the same as lines: pair
     (``"writer -> reader transport"``) and region (``"name segment bytes"``).
     """
-    c = _loader.load().c
-    size = c.tfrdma_info(None, 0)
-    while True:
-        buf = ctypes.create_string_buffer(size + 1024)
-        size = c.tfrdma_info(buf, len(buf))
-        if size <= len(buf):  # else it grew meanwhile: ask again
-            break
-    info = json.loads(buf.value.decode("utf-8", errors="replace"))
+    info = _loader.read_json("tfrdma_info")
     info["pair"] = [f"{p['writer']} -> {p['reader']} {p['transport']}"
                     for p in info["pairs"]]
     info["region"] = [f"{r['name']} {r['segment']} {r['bytes']}"
