@@ -33,8 +33,8 @@ import pytest
 
 import wire_client
 from conftest import make_cluster
-from wire_client import (ERROR, HEADER, MAGIC, OPEN_REPLY, OPEN_REQUEST, WRITE,
-                         closed_within, encode_fields, header)
+from wire_client import (ERROR, HEADER, MAGIC, OPEN_REPLY, OPEN_REQUEST, QUERY_REPLY,
+                         WRITE, closed_within, encode_fields, header)
 from tf_rdma.graph_passes import plan as plan_lib
 
 pytestmark = pytest.mark.timeout(240)
@@ -309,7 +309,8 @@ class Fuzzer:
         elif kind == 1:
             data = header(ERROR, b=len(body)) + body
         elif kind == 2:
-            data = header(r.choice([0, 5, 6, 255, 65535]), a=1, b=0)
+            # Unknown types, and a QUERY_REPLY to no question.
+            data = header(r.choice([0, QUERY_REPLY, 7, 255, 65535]), a=1, b=0)
         elif kind == 3:
             data = header(WRITE, magic=r.choice([0, MAGIC ^ 1, 0xFFFFFFFF]))
         else:

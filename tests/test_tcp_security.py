@@ -246,6 +246,20 @@ def assert_regions_untouched(ep, keys):
 # --------------------------------------------------------------------------- tests
 
 
+def test_queries_are_answered_and_an_unknown_one_is_refused_in_place(ep):
+    """QUERY what=clock gets the endpoint's clock (received <= sent); a
+    question the endpoint does not know gets an error reply, and the same
+    connection goes on answering (a newer peer may ask more)."""
+    with RawPeer(ep.port).connect_as(task(0)) as peer:
+        code, reply = peer.query({"what": "clock"})
+        assert code == 0, reply
+        assert 0 < int(reply["received_ns"]) <= int(reply["sent_ns"]), reply
+        code, reply = peer.query({"what": "weather"})
+        assert code == 1 and "unknown query 'weather'" in reply, (code, reply)  # InvalidArgument
+        code, reply = peer.query({"what": "clock"})
+        assert code == 0 and int(reply["sent_ns"]) > 0, reply
+
+
 def test_valid_write_is_received(ep):
     """The raw client speaks the real protocol: the recv returns its bytes."""
     key, slot = "x0", PLAN.slot("x0")

@@ -18,7 +18,7 @@ import pytest
 
 VERSION = "TFRDMA/2"
 MAGIC = 0x44524654
-OPEN_REQUEST, OPEN_REPLY, WRITE, ERROR = 1, 2, 3, 4
+OPEN_REQUEST, OPEN_REPLY, WRITE, ERROR, QUERY, QUERY_REPLY = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<IHH5Q")
 assert HEADER.size == 48
 
@@ -147,18 +147,20 @@ class RawPeer:
         self.peer_incarnation = parts[2]
         return self
 
-    def request_frame(self, fields, request=None):
-        """An OPEN_REQUEST frame for `fields`; returns (bytes, request id)."""
+    def request_frame(self, fields, request=None, type_=OPEN_REQUEST):
+        """An OPEN_REQUEST (or QUERY) frame for `fields`; returns (bytes,
+        request id)."""
         body = encode_fields(fields)
         if request is None:
             request = self.next_request
             self.next_request += 1
-        return header(OPEN_REQUEST, a=request, b=len(body)) + body, request
+        return header(type_, a=request, b=len(body)) + body, request
 
-    def read_reply(self, request):
-        """Reads one OPEN_REPLY; returns (status code, fields or error text)."""
-        magic, type_, _, a, b, c, _, _ = HEADER.unpack(self.read_exact(HEADER.size))
-        assert (magic, type_, a) == (MAGIC, OPEN_REPLY, request), (magic, type_, a)
+    def read_reply(self, request, type_=OPEN_REPLY):
+        """Reads one OPEN_REPLY (or QUERY_REPLY); returns (status code, fields
+        or error text)."""
+        magic, type_got, _, a, b, c, _, _ = HEADER.unpack(self.read_exact(HEADER.size))
+        assert (magic, type_got, a) == (MAGIC, type_, request), (magic, type_got, a)
         body = self.read_exact(b).decode(errors="replace")
         return (c, body) if c != 0 else (c, decode_fields(body))
 
@@ -167,6 +169,12 @@ class RawPeer:
         frame, request = self.request_frame(fields)
         self.sock.sendall(frame)
         return self.read_reply(request)
+
+    def query(self, fields):
+        """Sends a QUERY and waits for its reply (see read_reply)."""
+        frame, request = self.request_frame(fields, type_=QUERY)
+        self.sock.sendall(frame)
+        return self.read_reply(request, QUERY_REPLY)
 
     def reopen(self, fields, within=5.0):
         """open_fields for a region this writer held on a connection it

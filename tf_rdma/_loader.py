@@ -125,6 +125,9 @@ def load():
         cdll.tfrdma_info.restype = ctypes.c_int
         cdll.tfrdma_stats.argtypes = [ctypes.c_char_p, ctypes.c_int]
         cdll.tfrdma_stats.restype = ctypes.c_int
+        cdll.tfrdma_clock_offsets.argtypes = [ctypes.c_int, ctypes.c_int64,
+                                              ctypes.c_char_p, ctypes.c_int]
+        cdll.tfrdma_clock_offsets.restype = ctypes.c_int
         cdll.tfrdma_verbs_probe.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
                                             ctypes.c_int]
         cdll.tfrdma_verbs_probe.restype = ctypes.c_int

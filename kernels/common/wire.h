@@ -17,6 +17,12 @@
 //   ERROR         reader -> writer: b=body bytes; the body says why the
 //                 reader refuses this writer's data (a plan mismatch found
 //                 after the region was opened). The connection then closes.
+//   QUERY         either way: a=request id, b=body bytes; body is
+//                 "key=value\n" lines, `what` naming the question (see
+//                 engine/query.cc: the clock for a timeline's offsets, a
+//                 peer's position for the stall inspector).
+//   QUERY_REPLY   the answer: a=request id, b=body bytes, c=status code;
+//                 body is the answer's fields, or an error.
 //
 // The format is plain on purpose: a test (or a curious engineer) can speak
 // it from Python with the socket and hmac modules.
@@ -41,6 +47,8 @@ enum FrameType : uint16_t {
   kOpenReply = 2,
   kWrite = 3,
   kError = 4,
+  kQuery = 5,
+  kQueryReply = 6,
 };
 
 struct FrameHeader {
@@ -51,7 +59,7 @@ struct FrameHeader {
 };
 static_assert(sizeof(FrameHeader) == 48, "FrameHeader is 48 bytes on the wire");
 
-// Largest body of an OPEN frame; anything bigger is a protocol error.
+// Largest body of an OPEN or QUERY frame; anything bigger is a protocol error.
 constexpr uint64_t kMaxBodyBytes = 64 * 1024;
 
 // Sends everything unless the deadline passes first (DeadlineExceeded: the

@@ -62,6 +62,21 @@ int tfrdma_stats(char* out, int outlen) {
   return static_cast<int>(stats.size()) + 1;
 }
 
+// Measures the offset of every connected peer's trace clock (Engine::
+// ClockOffsets, `samples` queries each, each bounded by timeout_ms) and
+// copies the JSON into out; returns the length it needs (measure again
+// into a larger buffer if it did not fit).
+int tfrdma_clock_offsets(int samples, int64_t timeout_ms, char* out,
+                         int outlen) {
+  std::string offsets =
+      tf_rdma::Engine::Get()->ClockOffsets(samples, timeout_ms);
+  if (out != nullptr && outlen > 0) {
+    std::strncpy(out, offsets.c_str(), outlen - 1);
+    out[outlen - 1] = '\0';
+  }
+  return static_cast<int>(offsets.size()) + 1;
+}
+
 // Whether the verbs transport is usable in this process, as the engine would
 // decide at start: opens (and closes) the RDMA device with the verbs_* lines
 // of `config` (EngineConfig keys; a listen= line gives the host whose

@@ -136,7 +136,8 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
       LogLimited("rejected write from " + conn->peer + ": " + s.message());
     }
   } else if (s.ok() && (h.type == kOpenRequest || h.type == kOpenReply ||
-                         h.type == kError)) {
+                         h.type == kError || h.type == kQuery ||
+                         h.type == kQueryReply)) {
     if (h.b > kMaxBodyBytes) {
       s = InvalidArgument("frame body of " + std::to_string(h.b) +
                           " bytes (at most " + std::to_string(kMaxBodyBytes) +
@@ -146,6 +147,8 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
       s = RecvAll(conn->fd, &body[0], body.size());
       if (s.ok() && h.type == kOpenRequest) {
         HandleOpen(conn, h.a, body);
+      } else if (s.ok() && h.type == kQuery) {
+        HandleQuery(conn, h.a, body);
       } else if (s.ok() && h.type == kError) {
         s = FailedPrecondition(Printable(body, 2000));
       } else if (s.ok()) {
@@ -155,8 +158,10 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
           conn->replies[h.a] = {h, body};
           conn->cv.notify_all();
         } else {
-          s = InvalidArgument("OPEN reply " + std::to_string(h.a) +
-                              " answers no outstanding request");
+          s = InvalidArgument(
+              std::string(h.type == kOpenReply ? "OPEN" : "QUERY") +
+              " reply " + std::to_string(h.a) +
+              " answers no outstanding request");
         }
       }
     }
@@ -292,6 +297,7 @@ Status Engine::SendFrame(const std::shared_ptr<Connection>& conn,
 }
 
 Status Engine::Request(const std::shared_ptr<Connection>& conn,
+                       FrameType type,
                        const std::map<std::string, std::string>& fields,
                        const Deadline& deadline,
                        std::map<std::string, std::string>* reply) {
@@ -316,7 +322,7 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
   } forget{conn.get(), id};
   std::string body = EncodeFields(fields);
   FrameHeader h;
-  h.type = kOpenRequest;
+  h.type = type;
   h.a = id;
   h.b = body.size();
   TF_RDMA_RETURN_IF_ERROR(SendFrame(conn, h, body, deadline));
@@ -327,6 +333,16 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
       FrameHeader rh = it->second.first;
       std::string rbody = it->second.second;
       conn->replies.erase(it);
+      const uint16_t expected = type == kQuery ? kQueryReply : kOpenReply;
+      if (rh.type != expected) {
+        CloseConnection(conn, InvalidArgument(
+                                  "reply of frame type " +
+                                  std::to_string(rh.type) + " to request " +
+                                  std::to_string(id) + " (expected " +
+                                  std::to_string(expected) + ")"));
+        return Unavailable("connection to " + conn->peer + " lost (a reply "
+                           "of the wrong type)");
+      }
       if (rh.c != 0) return Status(CodeFromInt(rh.c), Printable(rbody, 2000));
       *reply = DecodeFields(rbody);
       return Status::Ok();

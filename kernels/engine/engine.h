@@ -277,6 +277,25 @@ class Engine {
   bool SendProgress(const SlotSpec& spec, uint64_t* written,
                     uint64_t* released);
 
+  // Asks `peer` a question over the control connection (query.cc): any
+  // live connection with it, either direction; none is Unavailable.
+  Status Query(const std::string& peer,
+               const std::map<std::string, std::string>& fields,
+               const Deadline& deadline,
+               std::map<std::string, std::string>* reply);
+  // The offset of `peer`'s trace clock from ours (peer - ours, ns) from
+  // the `samples` clock queries with the shortest round trip; the offset's
+  // error is at most rtt_ns / 2.
+  struct ClockSample {
+    int64_t offset_ns = 0;
+    int64_t rtt_ns = 0;
+  };
+  Status ClockOffset(const std::string& peer, int samples,
+                     const Deadline& deadline, ClockSample* out);
+  // ClockOffset to every connected peer, as JSON: {"task": ..., "peers":
+  // {peer: {"offset_ns", "rtt_ns"} or {"error"}}}.
+  std::string ClockOffsets(int samples, int64_t timeout_ms);
+
   // Runs `fn` on an engine thread that may block (in bounded waits).
   void Schedule(std::function<void()> fn);
 
@@ -315,12 +334,17 @@ class Engine {
                   const Deadline& deadline);
   void CloseConnection(const std::shared_ptr<Connection>& conn,
                        const Status& why);
-  Status Request(const std::shared_ptr<Connection>& conn,
+  // Sends a request frame (kOpenRequest or kQuery) with `fields` and waits
+  // for its reply by the deadline.
+  Status Request(const std::shared_ptr<Connection>& conn, FrameType type,
                  const std::map<std::string, std::string>& fields,
                  const Deadline& deadline,
                  std::map<std::string, std::string>* reply);
   void HandleOpen(const std::shared_ptr<Connection>& conn, uint64_t request_id,
                   const std::string& body);
+  // Answers a QUERY frame (query.cc), on the connection's reader thread.
+  void HandleQuery(const std::shared_ptr<Connection>& conn,
+                   uint64_t request_id, const std::string& body);
   Status SendFrame(const std::shared_ptr<Connection>& conn,
                    const FrameHeader& h, const std::string& body,
                    const Deadline& deadline);

@@ -152,7 +152,7 @@ Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
   if (!refusal.empty()) request["refusal"] = refusal;
   EncodeDescriptor(exposed, "credit_", &request);
   std::map<std::string, std::string> reply;
-  TF_RDMA_RETURN_IF_ERROR(Request(conn, request, deadline, &reply));
+  TF_RDMA_RETURN_IF_ERROR(Request(conn, kOpenRequest, request, deadline, &reply));
   return conn->pair->AddRemoteRegion(DecodeDescriptor(reply, ""), handle);
 }
 
