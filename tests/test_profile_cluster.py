@@ -14,7 +14,10 @@ worker:0 holds the transfer's tf_rdma.send with its credit wait and write,
 worker:1 its tf_rdma.recv with the data wait and the release, under the
 key the plan gives the edge, with its bytes and the other worker as peer.
 Both are traced at once, so they share calls: a call carries one id on both
-sides (the rewrite matches calls). The client's results stay exact.
+sides (the rewrite matches calls). `fn.explain(measured=True)` then shows
+what the traced calls took on each worker (kernels/common/recent.h, asked
+with the TfRdmaReport op), and a worker's counters reach the client the same
+way. The client's results stay exact.
 """
 
 import glob
@@ -55,6 +58,7 @@ fn = tf_rdma.rewrite(step, timeout=60)
 x = tf.range(ELEMENTS, dtype=tf.float32)
 want = np.arange(ELEMENTS, dtype=np.float32) * 2 + 1
 exact = [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(3)]
+untraced = fn.explain(file=open(os.devnull, "w"), measured=True)
 stop = threading.Event()
 
 def loop():
@@ -69,9 +73,17 @@ try:  # both workers at once: one .xplane.pb per worker
 finally:
     stop.set()
     runner.join()
+from tf_rdma import measured
+explained = fn.explain(file=open(os.devnull, "w"), measured=True, last=10)
+key = fn.plan.transfers[0].key
 print("RESULT " + json.dumps({
     "keys": [t.key for t in fn.plan.transfers], "calls": len(exact),
-    "exact": all(exact)}), flush=True)
+    "exact": all(exact), "explained": explained, "untraced": untraced,
+    "send": measured.summarize(
+        measured.task_report("recent", W0)["keys"].get(key, []), "send", 10),
+    "recv": measured.summarize(
+        measured.task_report("recent", W1)["keys"].get(key, []), "recv", 10),
+    "stats": measured.task_report("stats", W1)}), flush=True)
 """
 
 
@@ -157,3 +169,47 @@ def test_both_workers_name_a_call_by_one_id(traces):
     shared = set(writes) & set(waits)
     assert len(shared) >= max(1, min(len(writes), len(waits)) // 2), (
         len(writes), len(waits), len(shared))
+
+
+def test_explain_shows_what_the_traced_calls_measured_on_each_worker(traces):
+    """fn.explain(measured=True) asks each worker for its last traced calls
+    (the TfRdmaReport op, placed on the worker): the send side from
+    worker:0, the recv side from worker:1, each with its phases; the
+    phases of a call lie within it."""
+    result, sender, receiver = traces
+    key = result["keys"][0]
+    text = result["explained"]
+    assert "measured (the last 10 traced calls" in text, text
+    assert f"  {key}  {W0} -> {W1}  4.0 KiB" in text, text
+    send, recv = result["send"], result["recv"]
+    assert send["calls"] == 10 and recv["calls"] == 10, (send, recv)
+    assert send["bytes"] == recv["bytes"] == 4 * ELEMENTS
+    assert set(send) >= {"op", "credit_wait", "write"}, send
+    assert set(recv) >= {"op", "data_wait", "release"}, recv
+    for side in (send, recv):
+        assert 0 < side["op"]["median_us"] <= side["op"]["max_us"], side
+    # A phase is part of its call: its median cannot exceed the call's max.
+    assert send["write"]["median_us"] <= send["op"]["max_us"], send
+    assert recv["data_wait"]["median_us"] <= recv["op"]["max_us"], recv
+    assert f"send {send['op']['median_us']:.0f} (max" in text, text
+    assert f"recv {recv['op']['median_us']:.0f} (max" in text, text
+
+
+def test_explain_says_when_nothing_was_traced(traces):
+    """Before any profile, the workers hold no events: explain says so per
+    side and says how to get them, instead of showing zeros."""
+    result, _, _ = traces
+    text = result["untraced"]
+    assert "    send: no traced call" in text and "    recv: no traced call" in text, text
+    assert "nothing traced yet" in text, text
+
+
+def test_a_workers_counters_reach_the_client(traces):
+    """task_report("stats", task) carries a worker's counters to the client:
+    worker:1 received 4 KiB per call the client made, from worker:0."""
+    result, _, _ = traces
+    stats = result["stats"]
+    assert stats["task"] == W1, stats
+    received = sum(int(p["bytes_received"]) for p in stats["peers"]
+                   if p["peer"] == W0)
+    assert received >= 4 * ELEMENTS * result["calls"], (received, result["calls"])

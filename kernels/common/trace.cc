@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "kernels/common/recent.h"
+
 namespace tf_rdma {
 namespace trace {
 
@@ -54,6 +56,7 @@ void Record(const Event& event) {
   if (event.start_ns == 0) return;
   internal::g_level.load(std::memory_order_acquire);
   g_record.load(std::memory_order_relaxed)(event);
+  recent::Note(event);  // for explain(measured=True): recent.h
 }
 
 int64_t Span::EndTraced(const char* name, const std::string& key,
