@@ -61,6 +61,7 @@
 #include "kernels/common/sha256.h"
 #include "kernels/common/status.h"
 #include "kernels/common/text.h"
+#include "kernels/common/recent.h"
 #include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
@@ -1650,6 +1651,50 @@ TEST(trace_records_only_while_the_level_is_on) {
   EXPECT_FALSE(trace::On());  // the built-in sink's word, not ours
   g_trace_word.store(-1);
   EXPECT_EQ(g_trace_events.size(), size_t{4});
+}
+
+TEST(recent_keeps_the_newest_traced_events_per_key) {
+  namespace trace = tf_rdma::trace;
+  namespace recent = tf_rdma::recent;
+  recent::Clear();
+  const std::string a = "a:0", b = "b#\"1", peer = "/job:worker/task:1";
+  trace::Event e;
+  e.name = trace::kSend;
+  e.peer = &peer;
+  e.bytes = 8;
+  e.key = &a;
+  for (uint64_t step = 1; step <= recent::kEventsPerKey + 5; ++step) {
+    e.step = step;
+    e.start_ns = static_cast<int64_t>(step) * 100;
+    e.end_ns = e.start_ns + 7;
+    trace::Record(e);  // through the trace layer, as the engine does
+  }
+  e.key = &b;
+  e.step = 9;
+  trace::Record(e);
+  e.start_ns = 0;  // untraced: neither recorded nor kept
+  trace::Record(e);
+  std::string json = recent::Json();
+  // Key a: steps 6..261 (the 5 oldest were dropped), oldest first.
+  EXPECT_TRUE(json.find("\"step\": 5,") == std::string::npos);
+  size_t first = json.find("\"step\": 6,");
+  size_t last = json.find("\"step\": " +
+                          std::to_string(recent::kEventsPerKey + 5) + ",");
+  EXPECT_TRUE(first != std::string::npos && last != std::string::npos &&
+              first < last);
+  EXPECT_TRUE(json.find("\"start_ns\": 600, \"end_ns\": 607}") !=
+              std::string::npos);
+  // Key b, escaped as a JSON string, holds its one traced event.
+  size_t at = json.find("\"b#\\\"1\": [{\"name\": \"tf_rdma.send\"");
+  EXPECT_TRUE(at != std::string::npos);
+  size_t step9 = 0;  // a's step 9 (kept) and b's one event
+  for (size_t p = json.find("\"step\": 9,"); p != std::string::npos;
+       p = json.find("\"step\": 9,", p + 1)) {
+    ++step9;
+  }
+  EXPECT_EQ(step9, size_t{2});
+  recent::Clear();
+  EXPECT_EQ(recent::Json().find("tf_rdma.send"), std::string::npos);
 }
 
 // ---------------------------------------------------------------------------
