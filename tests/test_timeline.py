@@ -211,7 +211,12 @@ def test_data_arrives_after_it_was_written(run):
     assert checked == 2 * STEPS
 
 
+MATPLOTLIB_MISSING = ("tf-rdma timeline plot needs matplotlib (requirements-dev.txt), "
+                      "which this environment lacks")
+
+
 def test_plot_writes_a_png(run, tmp_path):
+    pytest.importorskip("matplotlib", reason=MATPLOTLIB_MISSING)
     png = str(tmp_path / "timeline.png")
     proc = cli("timeline", "plot", run["merged_path"], "-o", png)
     assert "wrote" in proc.stdout, proc.stdout
@@ -374,3 +379,20 @@ def test_cli_errors_and_help(tmp_path):
     for args in (("timeline", "--help"), ("timeline", "merge", "--help"),
                  ("timeline", "plot", "--help")):
         assert cli(*args).stdout.startswith("usage: tf-rdma timeline"), args
+
+
+@pytest.mark.fast
+def test_plot_draws_a_window_and_refuses_an_empty_one(tmp_path):
+    pytest.importorskip("matplotlib", reason=MATPLOTLIB_MISSING)
+    write_file(tmp_path / "worker-0.1.json", A, 0,
+               [("tf_rdma.send", 1000.0, 500.0), ("tf_rdma.write", 1200.0, 300.0)],
+               [(B, 0, 1000)])
+    write_file(tmp_path / "worker-1.2.json", B, 0,
+               [("tf_rdma.recv", 900.0, 700.0), ("tf_rdma.data_wait", 900.0, 650.0)])
+    merged = timeline.merge([str(tmp_path)])
+    png = tmp_path / "window.svg"
+    timeline.plot(merged, str(png), start_ms=0.5, end_ms=2.0)
+    svg = png.read_text()
+    assert svg.startswith("<?xml") and "data_wait" in svg and "credit_wait" not in svg
+    with pytest.raises(timeline.TimelineError, match="no events to draw between 5.0 and 6.0 ms"):
+        timeline.plot(merged, str(tmp_path / "empty.png"), start_ms=5.0, end_ms=6.0)

@@ -52,9 +52,10 @@ struct Timeline {
   bool open = false;
   bool stop = false;
 
-  // Set by Start before the timeline runs, read by recording threads.
-  int pid = 0;
-  int64_t origin_ns = 0;
+  // Set by Start before the timeline runs, read by recording threads
+  // (relaxed: g_running's release and acquire order them).
+  std::atomic<int> pid{0};
+  std::atomic<int64_t> origin_ns{0};
 
   // The writer thread's (and Stop's, after joining it).
   FILE* file = nullptr;
@@ -72,7 +73,12 @@ Timeline& T() {
   return *timeline;
 }
 
-std::mutex g_start_mu;  // Start and Stop
+// Start and Stop (never destroyed, as the timeline: Stop runs in the
+// engine's exit handler, during static destruction).
+std::mutex& StartMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
 std::atomic<bool> g_running{false};
 
 int ThreadId() {
@@ -149,11 +155,12 @@ void Tap(const trace::Event& e) {
   const char* name = e.name != nullptr ? e.name : "?";
   AppendString(&line, name, std::strlen(name));
   line.append(",\"pid\":");
-  AppendInt(&line, t.pid);
+  AppendInt(&line, t.pid.load(std::memory_order_relaxed));
   line.append(",\"tid\":");
   AppendInt(&line, ThreadId());
   line.append(",\"ts\":");
-  AppendMicros(&line, e.start_ns - t.origin_ns);
+  AppendMicros(&line,
+               e.start_ns - t.origin_ns.load(std::memory_order_relaxed));
   line.append(",\"dur\":");
   AppendMicros(&line, std::max<int64_t>(0, e.end_ns - e.start_ns));
   line.append(",\"args\":{\"key\":");
@@ -179,8 +186,8 @@ void Tap(const trace::Event& e) {
 std::string Metadata(const Timeline& t, const char* name,
                      const std::string& args) {
   return "{\"ph\":\"M\",\"name\":\"" + std::string(name) +
-         "\",\"pid\":" + std::to_string(t.pid) + ",\"tid\":0,\"args\":{" +
-         args + "}}";
+         "\",\"pid\":" + std::to_string(t.pid.load()) +
+         ",\"tid\":0,\"args\":{" + args + "}}";
 }
 
 // Writes `text` to the file (the writer thread, or Stop after it).
@@ -283,8 +290,13 @@ std::string FileName(const std::string& task, int pid) {
 
 Status Start(const std::string& dir, const std::string& task, Clocks clocks,
              std::string* path) {
-  std::lock_guard<std::mutex> start_lock(g_start_mu);
-  StopLocked();
+  std::lock_guard<std::mutex> start_lock(StartMu());
+  // Not stopped here: its writer may be measuring, holding up whoever calls
+  // Start (the engine, under its lock) on what the measuring needs.
+  if (g_running.load()) {
+    return FailedPrecondition("a timeline is already being written to " +
+                              T().path);
+  }
   Timeline& t = T();
   const int pid = static_cast<int>(getpid());
   const std::string base = FileName(task, pid);
@@ -316,7 +328,7 @@ Status Start(const std::string& dir, const std::string& task, Clocks clocks,
   t.origin_ns = trace::NowNs();
   t.clocks = std::move(clocks);
   t.measured.clear();
-  t.last_all_ns = t.origin_ns;
+  t.last_all_ns = t.origin_ns.load();
   {
     std::lock_guard<std::mutex> lock(t.mu);
     t.pending = "[\n" +
@@ -325,7 +337,8 @@ Status Start(const std::string& dir, const std::string& task, Clocks clocks,
                 Metadata(t, "tf_rdma_timeline",
                          "\"task\":" + JsonString(task) +
                              ",\"pid\":" + std::to_string(pid) +
-                             ",\"origin_ns\":" + std::to_string(t.origin_ns) +
+                             ",\"origin_ns\":" +
+                             std::to_string(t.origin_ns.load()) +
                              ",\"version\":1") +
                 ",\n";
     t.dropped = 0;
@@ -340,7 +353,7 @@ Status Start(const std::string& dir, const std::string& task, Clocks clocks,
 }
 
 void Stop() {
-  std::lock_guard<std::mutex> start_lock(g_start_mu);
+  std::lock_guard<std::mutex> start_lock(StartMu());
   StopLocked();
 }
 

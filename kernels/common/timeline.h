@@ -70,8 +70,8 @@ std::string FileName(const std::string& task, int pid);
 
 // Starts writing this process's events to `dir` (which must exist) as
 // `task`; *path gets the file's path. If the file exists (a second start in
-// this process), "<task>.<pid>.<n>.json" with the first n free. A timeline
-// that runs is stopped first.
+// this process), "<task>.<pid>.<n>.json" with the first n free.
+// FailedPrecondition while a timeline runs (Stop it first).
 Status Start(const std::string& dir, const std::string& task, Clocks clocks,
              std::string* path);
 

@@ -32,11 +32,16 @@ std::atomic<void (*)(const Event&)> g_record{&Drop};
 std::atomic<void (*)(const Event&)> g_tap{nullptr};
 
 // Install and SetTap: the sink's own word, and which word On() reads.
-std::mutex g_install_mu;
+// (Never destroyed: the engine's exit handler stops the timeline, and
+// with it the tap, during static destruction.)
+std::mutex& InstallMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
 const std::atomic<int>* g_sink_level = &g_never;
 
 // Publishes the word On() reads, with release: whoever sees it on sees the
-// clock, record function and tap stored before. Holds g_install_mu.
+// clock, record function and tap stored before. Holds InstallMu().
 void PublishLevel() {
   internal::g_level.store(
       g_tap.load(std::memory_order_relaxed) != nullptr ? &g_always
@@ -51,7 +56,7 @@ std::atomic<const std::atomic<int>*> g_level{&g_never};
 }  // namespace internal
 
 void Install(const Sink& sink) {
-  std::lock_guard<std::mutex> lock(g_install_mu);
+  std::lock_guard<std::mutex> lock(InstallMu());
   g_now.store(sink.now_ns != nullptr ? sink.now_ns : &RealtimeNs,
               std::memory_order_relaxed);
   g_record.store(sink.record != nullptr ? sink.record : &Drop,
@@ -62,7 +67,7 @@ void Install(const Sink& sink) {
 }
 
 void SetTap(void (*tap)(const Event& event)) {
-  std::lock_guard<std::mutex> lock(g_install_mu);
+  std::lock_guard<std::mutex> lock(InstallMu());
   g_tap.store(tap, std::memory_order_relaxed);
   PublishLevel();
 }

@@ -1688,6 +1688,9 @@ TEST(timeline_writes_every_event_and_the_clock_offsets) {
   EXPECT_EQ(path, dir + "/worker-0." + std::to_string(getpid()) + ".json");
   EXPECT_TRUE(timeline::Running());
   EXPECT_TRUE(trace::On());  // the tap turns tracing on
+  std::string again;
+  EXPECT_CODE(timeline::Start(dir, "/job:worker/task:0", clocks, &again),
+              kFailedPrecondition);
   const std::string key = "a\"b", peer = "/job:worker/task:1";
   trace::Span::At(trace::Claim()).End(trace::kWrite, key, 4096, peer, 3);
   timeline::Stop();
