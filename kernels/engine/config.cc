@@ -128,6 +128,8 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                "' is not an integer in [0, 10000]");
       }
       c.poll_us = static_cast<int64_t>(v);
+    } else if (key == "timeline") {
+      c.timeline = value;
     } else if (key == "peer") {
       size_t sp = value.find(' ');
       if (sp == std::string::npos) {
