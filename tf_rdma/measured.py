@@ -9,7 +9,8 @@ worker servers. :func:`summarize` turns one side's events into per-call
 times, and :func:`measured_lines` is what ``fn.explain(measured=True)``
 prints next to the plan.
 
-Events exist only while tf_rdma is traced: inside a profiler session
+Events exist only while tf_rdma is traced: for a whole run with
+``TF_RDMA_TIMELINE`` set on the workers, or inside a profiler session
 (``tf.profiler.experimental.client.trace`` on the workers, or
 ``tf.profiler.experimental.start`` in an SPMD program). Untraced transfers
 cost nothing and leave nothing to show.
@@ -138,6 +139,6 @@ def measured_lines(transfers, last=20, report=task_report):
                 lines.append(f"    {_line(side, summary)}")
     if not seen:
         lines.append("  nothing traced yet: tf_rdma records its transfers only "
-                     "while traced (a profiler session on the workers, "
-                     "docs/observability.md)")
+                     "while traced (TF_RDMA_TIMELINE set on the workers, or a "
+                     "profiler session on them; docs/observability.md)")
     return lines
