@@ -22,7 +22,7 @@ from conftest import make_cluster, run_tasks, use_transport
 
 # The body every rank runs; MATRIX(P) is substituted.
 MATRIX = r"""
-import itertools
+import functools, itertools
 start()
 from tf_rdma import collectives as C
 g = C.default_group()
@@ -51,8 +51,14 @@ def data(rank, dtype, n, seed=0):
         v = v + 1j * rng.integers(-3, 4, size=n)
     return v.astype(np.complex128 if dtype.startswith("complex") else np.float64)
 
+# Every rank's input, computed once: each (dtype, n) recurs for every
+# algorithm, kind and reduction.
+@functools.lru_cache(maxsize=None)
+def inputs(dtype, n):
+    return tuple(data(q, dtype, n) for q in range(P))
+
 def reference(kind, red, dtype, n, root):
-    xs = [data(q, dtype, n) for q in range(P)]
+    xs = inputs(dtype, n)
     if kind == "broadcast":
         return xs[root]
     if kind == "allgather":
@@ -95,7 +101,7 @@ for alg, kind, dtype, n in itertools.product(ALGS, KINDS, DTYPES, SIZES):
         if dtype.startswith("complex") and red in ("min", "max"):
             continue
         root = (n + len(dtype)) % P
-        x = tf.constant(data(r, dtype, n).astype(np_dtype(dtype)))
+        x = tf.constant(inputs(dtype, n)[r].astype(np_dtype(dtype)))
         block = 4096 if n < (1 << 18) else 1 << 20
         if kind == "allreduce":
             y = C.all_reduce(x, reduction=red, algorithm=alg, block_bytes=block)
