@@ -204,6 +204,9 @@ fuzz:
 # --list, --known-bugs. tests/test_cpp_units.py runs it in `make test` and `make test-fast`.
 .PHONY: cpp-test
 CPP_TEST_BIN := build/cpp/engine_unittest
+# Its sources compile in parallel (FUZZ_JOBS at a time, into a folder of
+# this build's own under build/cpp), then link.
+CPP_TEST_SRCS := tests/cpp/engine_unittest.cc $(FUZZ_ENGINE)
 CPP_TEST_ARGS ?=
 
 cpp-test:
@@ -211,7 +214,11 @@ cpp-test:
 	@if [ ! -x $(CPP_TEST_BIN) ] || [ -n "$$(find Makefile kernels/common kernels/engine kernels/transport tests/cpp \( -name '*.cc' -o -name '*.h' -o -name Makefile \) -newer $(CPP_TEST_BIN) -print -quit)" ]; then \
 	  echo "cpp-test: building $(CPP_TEST_BIN)"; \
 	  tmp=$(CPP_TEST_BIN).tmp.$$$$; \
-	  g++ -std=c++17 -O1 -g -I. tests/cpp/engine_unittest.cc $(FUZZ_ENGINE) -o $$tmp -ldl -lpthread -lrt \
-	    && mv -f $$tmp $(CPP_TEST_BIN) || { rm -f $$tmp; exit 1; }; \
+	  obj=build/cpp/obj.$$$$; rm -rf $$obj; mkdir -p $$obj && \
+	  printf '%s\n' $(CPP_TEST_SRCS) | xargs -P $(FUZZ_JOBS) -I SRC sh -c \
+	    "g++ -std=c++17 -O1 -g -I. -c SRC -o $$obj/\$$(echo SRC | tr / _).o" \
+	    && g++ -std=c++17 -O1 -g $$obj/*.o -o $$tmp -ldl -lpthread -lrt \
+	    && mv -f $$tmp $(CPP_TEST_BIN) || { rm -rf $$tmp $$obj; exit 1; }; \
+	  rm -rf $$obj; \
 	fi
 	@$(CPP_TEST_BIN) $(CPP_TEST_ARGS)
