@@ -435,8 +435,10 @@ def two_hosts():
 # Keras' TensorBoard(profile_batch=...) in tests/test_strategy.py).
 
 
-def read_xplane_events(logdir):
-    """Returns the events of the host plane the profiler wrote under logdir.
+def read_xplane_events(logdir, prefix=""):
+    """Returns the events of the host plane the profiler wrote under logdir
+    (those whose name starts with `prefix`: a profile of a Keras fit holds
+    many thousands of TensorFlow's own).
 
     Each event is a dict: name, start_ps, end_ps (absolute, picoseconds) and
     its stats by name (ints for numbers, str otherwise).
@@ -456,9 +458,12 @@ def read_xplane_events(logdir):
     events = []
     for line in plane.lines:
         for e in line.events:
+            name = plane.event_metadata[e.metadata_id].name
+            if not name.startswith(prefix):
+                continue
             stats = {}
             for s in e.stats:
-                name = plane.stat_metadata[s.metadata_id].name
+                stat = plane.stat_metadata[s.metadata_id].name
                 kind = s.WhichOneof("value")
                 if kind == "ref_value":
                     value = plane.stat_metadata[s.ref_value].name
@@ -468,9 +473,9 @@ def read_xplane_events(logdir):
                 # (kernels/ops/trace_sink.cc).
                 if isinstance(value, str):
                     value = urllib.parse.unquote(value)
-                stats[name] = value
+                stats[stat] = value
             start = line.timestamp_ns * 1000 + e.offset_ps
-            events.append({"name": plane.event_metadata[e.metadata_id].name,
+            events.append({"name": name,
                            "start_ps": start, "end_ps": start + e.duration_ps,
                            "stats": stats})
     return events

@@ -109,9 +109,9 @@ def profile_run(tmp_path_factory):
     for task, res in out.items():
         assert res.result["good"] == [True] * (WARMUP + STEPS + 1), (
             f"{task} computed wrong values: {res.result}")
-    return {"events": read_xplane_events(logdir),
+    return {"events": read_xplane_events(logdir, prefix="tf_rdma."),
             "bench": out["worker:0"].result,
-            "bench_events": read_xplane_events(bench_logdir)}
+            "bench_events": read_xplane_events(bench_logdir, prefix="tf_rdma.")}
 
 
 @pytest.fixture(scope="module")

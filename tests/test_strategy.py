@@ -441,7 +441,7 @@ def test_tensorboard_profile_batch_holds_tf_rdma_events(trained):
     plan = next(p for p in map(BucketPlan.from_json, res["rdma:0"]["plans"])
                 if len(p.gradients) == 4)
     events = read_xplane_events(os.path.join(ckpt_dir, "tensorboard", "worker0",
-                                             "train"))
+                                             "train"), prefix="tf_rdma.")
     calls = [e for e in named(events, "tf_rdma.collective")
              if ".bucket" in e["stats"]["key"]]
     keys = sorted({e["stats"]["key"] for e in calls})
