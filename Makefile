@@ -164,6 +164,11 @@ FUZZ_ENGINE := $(wildcard kernels/common/*.cc) \
   kernels/transport/verbs/factory.cc
 FUZZ_FLAGS := -std=c++17 -O1 -g -I. -fno-omit-frame-pointer -fno-sanitize-recover=all
 CLANG_TRIED := build/.clang-tried
+# The g++ driver's sources compile in parallel, FUZZ_JOBS at a time (one
+# object each under build/fuzz/obj, always rebuilt), then link.
+FUZZ_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+FUZZ_STANDALONE_SRCS := tests/fuzz/wire_fuzz.cc tests/fuzz/standalone_main.cc $(FUZZ_ENGINE)
+FUZZ_STANDALONE_OBJS := $(addprefix build/fuzz/obj/,$(subst /,_,$(FUZZ_STANDALONE_SRCS:.cc=.o)))
 
 fuzz:
 	@if ! command -v clang++ >/dev/null 2>&1 && [ "$(FUZZ_INSTALL)" = 1 ] && [ ! -e $(CLANG_TRIED) ]; then \
@@ -183,7 +188,10 @@ fuzz:
 	  build/fuzz/wire_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus; \
 	else \
 	  echo "fuzz: no libFuzzer here; g++ driver with ASan+UBSan, $(FUZZ_RUNS) inputs"; \
-	  g++ $(FUZZ_FLAGS) -fsanitize=address,undefined tests/fuzz/wire_fuzz.cc tests/fuzz/standalone_main.cc $(FUZZ_ENGINE) \
+	  mkdir -p build/fuzz/obj && \
+	  printf '%s\n' $(FUZZ_STANDALONE_SRCS) | xargs -P $(FUZZ_JOBS) -I SRC sh -c \
+	    'g++ $(FUZZ_FLAGS) -fsanitize=address,undefined -c SRC -o build/fuzz/obj/$$(echo SRC | tr / _ | sed "s/\.cc$$/.o/")' && \
+	  g++ $(FUZZ_FLAGS) -fsanitize=address,undefined $(FUZZ_STANDALONE_OBJS) \
 	    -o build/fuzz/wire_fuzz_standalone -ldl -lpthread -lrt && \
 	  build/fuzz/wire_fuzz_standalone --runs=$(FUZZ_RUNS) tests/fuzz/seeds/*; \
 	fi
@@ -196,6 +204,9 @@ fuzz:
 # --list, --known-bugs. tests/test_cpp_units.py runs it in `make test` and `make test-fast`.
 .PHONY: cpp-test
 CPP_TEST_BIN := build/cpp/engine_unittest
+# Its sources compile in parallel (FUZZ_JOBS at a time, into a folder of
+# this build's own under build/cpp), then link.
+CPP_TEST_SRCS := tests/cpp/engine_unittest.cc $(FUZZ_ENGINE)
 CPP_TEST_ARGS ?=
 
 cpp-test:
@@ -203,7 +214,11 @@ cpp-test:
 	@if [ ! -x $(CPP_TEST_BIN) ] || [ -n "$$(find Makefile kernels/common kernels/engine kernels/transport tests/cpp \( -name '*.cc' -o -name '*.h' -o -name Makefile \) -newer $(CPP_TEST_BIN) -print -quit)" ]; then \
 	  echo "cpp-test: building $(CPP_TEST_BIN)"; \
 	  tmp=$(CPP_TEST_BIN).tmp.$$$$; \
-	  g++ -std=c++17 -O1 -g -I. tests/cpp/engine_unittest.cc $(FUZZ_ENGINE) -o $$tmp -ldl -lpthread -lrt \
-	    && mv -f $$tmp $(CPP_TEST_BIN) || { rm -f $$tmp; exit 1; }; \
+	  obj=build/cpp/obj.$$$$; rm -rf $$obj; mkdir -p $$obj && \
+	  printf '%s\n' $(CPP_TEST_SRCS) | xargs -P $(FUZZ_JOBS) -I SRC sh -c \
+	    "g++ -std=c++17 -O1 -g -I. -c SRC -o $$obj/\$$(echo SRC | tr / _).o" \
+	    && g++ -std=c++17 -O1 -g $$obj/*.o -o $$tmp -ldl -lpthread -lrt \
+	    && mv -f $$tmp $(CPP_TEST_BIN) || { rm -rf $$tmp $$obj; exit 1; }; \
+	  rm -rf $$obj; \
 	fi
 	@$(CPP_TEST_BIN) $(CPP_TEST_ARGS)

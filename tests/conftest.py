@@ -7,6 +7,7 @@ and on failure reports every task's exit code and the tail of its output.
 No test can hang: a timeout kills the whole process group.
 """
 
+import glob
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.parse
 
 import pytest
 
@@ -425,3 +427,69 @@ def two_hosts():
     finally:
         for ns in created:  # removes the veth ends inside them too
             ip("netns", "del", ns, check=False)
+
+
+# ---------------------------------------------------------------------------
+# The TensorFlow profiler's output: the XPlane file a session writes under
+# LOGDIR/plugins/profile/RUN/HOST.xplane.pb (tests/test_profiler.py, and
+# Keras' TensorBoard(profile_batch=...) in tests/test_strategy.py).
+
+
+def read_xplane_events(logdir, prefix=""):
+    """Returns the events of the host plane the profiler wrote under logdir
+    (those whose name starts with `prefix`: a profile of a Keras fit holds
+    many thousands of TensorFlow's own).
+
+    Each event is a dict: name, start_ps, end_ps (absolute, picoseconds) and
+    its stats by name (ints for numbers, str otherwise).
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
+
+    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*",
+                                   "*.xplane.pb"))
+    assert len(paths) == 1, f"expected one .xplane.pb under {logdir}, found {paths}"
+    space = xplane_pb2.XSpace()
+    with open(paths[0], "rb") as f:
+        space.ParseFromString(f.read())
+    hosts = [p for p in space.planes if p.name == "/host:CPU"]
+    assert hosts, ("no /host:CPU plane in the profile; planes: "
+                   f"{[p.name for p in space.planes]}")
+    plane = hosts[0]
+    events = []
+    for line in plane.lines:
+        for e in line.events:
+            name = plane.event_metadata[e.metadata_id].name
+            if not name.startswith(prefix):
+                continue
+            stats = {}
+            for s in e.stats:
+                stat = plane.stat_metadata[s.metadata_id].name
+                kind = s.WhichOneof("value")
+                if kind == "ref_value":
+                    value = plane.stat_metadata[s.ref_value].name
+                else:
+                    value = getattr(s, kind)
+                # tf_rdma percent-encodes '#', ',' and '%' in a value
+                # (kernels/ops/trace_sink.cc).
+                if isinstance(value, str):
+                    value = urllib.parse.unquote(value)
+                stats[stat] = value
+            start = line.timestamp_ns * 1000 + e.offset_ps
+            events.append({"name": name,
+                           "start_ps": start, "end_ps": start + e.duration_ps,
+                           "stats": stats})
+    return events
+
+
+def named(events, name, key=None):
+    """The events called `name` (any name if None) with stat key == `key`
+    (any key if None)."""
+    return [e for e in events if (name is None or e["name"] == name) and
+            (key is None or e["stats"].get("key") == key)]
+
+
+def inside(inner, outer):
+    """True if `inner` lies within `outer` (1 us of slack for rounding)."""
+    slack = 1_000_000
+    return (inner["start_ps"] >= outer["start_ps"] - slack and
+            inner["end_ps"] <= outer["end_ps"] + slack)

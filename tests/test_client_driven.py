@@ -3,7 +3,8 @@
 The client places send on task 0 and recv on task 1 inside one tf.function;
 TensorFlow dispatches each part to its server, and the tensor moves through
 tf_rdma instead of gRPC. The result must equal the same function without
-tf_rdma, bit for bit.
+tf_rdma, bit for bit. The same client then checks that results it keeps do
+not hold their slots. One cluster and one client per transport.
 """
 
 import json
@@ -66,41 +67,12 @@ print("RESULT " + json.dumps({"same": same}), flush=True)
 """
 
 
-@pytest.mark.parametrize("transport", DATA_PATH_TRANSPORTS)
-def test_connect_to_cluster_send_recv(transport):
-    use_transport(transport)
-    cluster = make_cluster(2)
-    env = base_env({"TF_RDMA_TRANSPORT": transport})
-    servers = start_servers(cluster, env)
-    try:
-        client_env = dict(env)
-        client_env["TF_CONFIG"] = json.dumps({"cluster": cluster})
-        client = subprocess.run([sys.executable, "-c", CLIENT], env=client_env,
-                                capture_output=True, text=True, timeout=120)
-    finally:
-        stopped = stop_servers(servers)
-    assert client.returncode == 0, client.stderr[-3000:]
-    line = [l for l in client.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    assert json.loads(line[7:])["same"] == [True] * 5
-    # Both directions were set up over the requested transport and logged.
-    logs = "".join(err for _, err in stopped)
-    assert f"/job:worker/task:0 -> /job:worker/task:1 uses {transport}" in logs
-    assert f"/job:worker/task:1 -> /job:worker/task:0 uses {transport}" in logs
-    # SIGTERM is a clean shutdown: exit 0 and no segment left behind.
-    assert [rc for rc, _ in stopped] == [0, 0], logs[-3000:]
-    assert shm_segments(pids=[p.pid for p in servers]) == []
-
-
 # A function that returns what it received: the result would alias the slot
 # (zero-copy recv), and with depth 1 a result the client keeps would hold
 # the slot from the next call's send. tf_rdma/_auto_control_deps.py makes returned
-# values local copies; without that the second call times out.
+# values local copies; without that the second call times out. It runs in
+# CLIENT's process, after it, on every transport.
 RETURNS_RECV = r"""
-import json, os
-import tensorflow as tf
-import tf_rdma
-cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
 W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
 plan = tf_rdma.Plan([tf_rdma.Transfer("x", W0, W1, "float32", [4])], depth=1,
                     name="returns_recv")
@@ -119,21 +91,47 @@ print("RESULT " + json.dumps({"values": [k.numpy().tolist() for k in kept],
 """
 
 
-def test_kept_results_do_not_hold_their_slots():
+@pytest.fixture(scope="module", params=DATA_PATH_TRANSPORTS)
+def driven(request):
+    """Two servers over one transport; one client runs CLIENT, then
+    RETURNS_RECV (both print a RESULT); then SIGTERM. Returns (transport,
+    the client's results, the servers' stop codes and logs, segments left)."""
+    transport = request.param
+    use_transport(transport)
     cluster = make_cluster(2)
-    env = base_env({"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "10"})
+    # An op waits 10 s, not 60: RETURNS_RECV's failure mode is a timeout.
+    env = base_env({"TF_RDMA_TRANSPORT": transport, "TF_RDMA_TIMEOUT": "10"})
     servers = start_servers(cluster, env)
     try:
         client_env = dict(env)
         client_env["TF_CONFIG"] = json.dumps({"cluster": cluster})
-        client = subprocess.run([sys.executable, "-c", RETURNS_RECV],
-                                env=client_env, capture_output=True,
-                                text=True, timeout=120)
+        client = subprocess.run([sys.executable, "-c", CLIENT + RETURNS_RECV],
+                                env=client_env, capture_output=True, text=True,
+                                timeout=150)
     finally:
-        stop_servers(servers)
+        stopped = stop_servers(servers)
     assert client.returncode == 0, client.stderr[-3000:]
-    line = [l for l in client.stdout.splitlines() if l.startswith("RESULT ")]
-    r = json.loads(line[-1][7:])
+    results = [json.loads(l[7:]) for l in client.stdout.splitlines()
+               if l.startswith("RESULT ")]
+    assert len(results) == 2, client.stdout[-3000:]
+    return (transport, results, stopped,
+            shm_segments(pids=[p.pid for p in servers]))
+
+
+def test_connect_to_cluster_send_recv(driven):
+    transport, (r, _), stopped, left = driven
+    assert r["same"] == [True] * 5
+    # Both directions were set up over the requested transport and logged.
+    logs = "".join(err for _, err in stopped)
+    assert f"/job:worker/task:0 -> /job:worker/task:1 uses {transport}" in logs
+    assert f"/job:worker/task:1 -> /job:worker/task:0 uses {transport}" in logs
+    # SIGTERM is a clean shutdown: exit 0 and no segment left behind.
+    assert [rc for rc, _ in stopped] == [0, 0], logs[-3000:]
+    assert left == []
+
+
+def test_kept_results_do_not_hold_their_slots(driven):
+    _, (_, r), _, _ = driven
     assert r["values"] == [[2.0 * i] * 4 for i in range(3)]
     # The results stay on the task that received them, as without tf_rdma.
     assert r["devices"] == ["/job:worker/replica:0/task:1/device:CPU:0"] * 3

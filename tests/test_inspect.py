@@ -1,13 +1,15 @@
 """Tests of ``tf-rdma inspect``: real tracing, real files, the real command.
 
 The end-to-end runs are ``python -m tf_rdma.cli inspect ...`` subprocesses on
-a traced function, a SavedModel, a binary and a text GraphDef (all written
-here, from one model with every kind of cross-task edge), and on each kind of
-bad input. Each run imports TensorFlow, so the module fixture starts all of
-them at once and the tests check their own: the imports overlap.
+a traced function, a SavedModel and a text GraphDef (all written here, from
+one model with every kind of cross-task edge), and on a bad input. Each run
+imports TensorFlow, so the module fixture starts all of them at once and the
+tests check their own: the imports overlap.
 
-Argument errors, the other bad inputs and the renderers are checked
-in-process, through ``tf_rdma.cli.main`` and the ``tf_rdma.inspect`` modules.
+The binary GraphDef, argument errors, the other bad inputs and the
+renderers are checked in-process, through ``tf_rdma.cli.main`` (in the
+inputs' folder, as the command runs there) and the ``tf_rdma.inspect``
+modules.
 
 The HTML page is loaded in headless Chromium (Debian's ``chromium``; the test
 skips with the reason where it is not installed) and the DOM it builds must
@@ -16,7 +18,7 @@ hold the transfer table and the graph.
 ``--cluster`` (and ``TF_CONFIG``) runs are CLI subprocesses too (they start
 in-process TensorFlow servers, which must not outlive a test): a script that
 creates its variable on ``/job:ps/task:0`` at import time is inspected with
-them and fails, with a hint, without them.
+them and fails (in-process), with a hint, without them.
 
 The graph's geometry (no edge in a foreign task's box, each label on its own
 edge) is checked from coordinates, for both layouts (Graphviz's where ``dot``
@@ -201,16 +203,11 @@ def runs(inputs):
     plans = {
         "traced": ["model.py:step", "--signature", SIGNATURE],
         "saved_model": ["saved", "--format", "dot"],
-        "pb": ["model.pb", "--format", "json", "--output", str(d / "pb.json")],
         "pbtxt": ["model.pbtxt", "--format", "html", "--output", str(d / "plan.html")],
         "not_a_graph": ["notgraph.pb"],
-        "no_such_function": ["model.py:train_step", "--signature", SIGNATURE],
-        "malformed_pbtxt": ["malformed.pbtxt"],
-        "no_cross_task_edges": ["local.pbtxt"],
         "cluster_flag": ["ps_script.py:train_step", "--cluster", "worker:2,ps:1",
                          "--format", "json"],
         "cluster_tf_config": ["ps_script.py:train_step", "--format", "json"],
-        "cluster_missing": ["ps_script.py:train_step"],
     }
     envs = {"cluster_tf_config": {"TF_CONFIG": PS_TF_CONFIG}}
     procs = {name: _start(args, d, envs.get(name)) for name, args in plans.items()}
@@ -298,10 +295,18 @@ def test_traced_function_text(runs):
                for line in out.splitlines()), out
 
 
-def test_graph_def_binary_json(runs, inputs):
-    _ok(runs["pb"])
-    assert runs["pb"].stdout == ""  # --output: nothing on stdout.
-    doc = json.loads((inputs / "pb.json").read_text())
+def _in_inputs(inputs, monkeypatch, argv, capsys):
+    """``tf-rdma inspect ARGV`` in-process, run in the inputs' folder."""
+    monkeypatch.chdir(inputs)
+    return _main(["inspect", *argv], capsys)
+
+
+def test_graph_def_binary_json(inputs, tmp_path, monkeypatch, capsys):
+    code, out, err = _in_inputs(inputs, monkeypatch, [
+        "model.pb", "--format", "json", "--output", str(tmp_path / "pb.json")], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert out == ""  # --output: nothing on stdout.
+    doc = json.loads((tmp_path / "pb.json").read_text())
     kinds = {e["key"]: e["kind"] for e in doc["edges"]}
     assert {k: kinds.get(k) for k in EXPECTED} == EXPECTED
     # Shapes were re-inferred from the shapeless GraphDef: h has a slot.
@@ -342,22 +347,40 @@ def test_graph_def_text_html(runs, inputs):
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
 
-@pytest.mark.parametrize("name, message", [
-    ("not_a_graph", "notgraph.pb is not a graph: not a binary GraphDef"),
-    ("no_such_function", "no function 'train_step' in model.py; its functions: local_only, step"),
-    ("malformed_pbtxt", 'malformed.pbtxt is not a graph: malformed text GraphDef (pbtxt), '
-                        'line 4:3 : Message type "tensorflow.NodeDef" has no field named "colour"'),
-    ("no_cross_task_edges", "no cross-task edges in local.pbtxt"),
-])
-def test_bad_input_is_one_clear_message(runs, name, message):
-    run = runs[name]
-    assert run.returncode != 0, run.describe()
+#: name -> (arguments, message, exit status) of each kind of bad input.
+BAD_INPUTS = {
+    "not_a_graph": (["notgraph.pb"], "notgraph.pb is not a graph: not a binary GraphDef",
+                    command.EXIT_ERROR),
+    "no_such_function": (["model.py:train_step", "--signature", SIGNATURE],
+                         "no function 'train_step' in model.py; its functions: "
+                         "local_only, step", command.EXIT_ERROR),
+    "malformed_pbtxt": (["malformed.pbtxt"],
+                        'malformed.pbtxt is not a graph: malformed text GraphDef (pbtxt), '
+                        'line 4:3 : Message type "tensorflow.NodeDef" has no field named '
+                        '"colour"', command.EXIT_ERROR),
+    "no_cross_task_edges": (["local.pbtxt"], "no cross-task edges in local.pbtxt",
+                            command.EXIT_NO_TRANSFERS),
+}
+
+
+def test_bad_input_is_one_clear_message(runs):
+    """The command itself: a bad input exits with one message, no traceback."""
+    run = runs["not_a_graph"]
+    _, message, status = BAD_INPUTS["not_a_graph"]
+    assert run.returncode == status, run.describe()
     assert message in run.stderr, run.describe()
     assert "Traceback" not in run.stderr, run.describe()
     assert run.stdout == "", run.describe()
-    expected = (command.EXIT_NO_TRANSFERS if name == "no_cross_task_edges"
-                else command.EXIT_ERROR)
-    assert run.returncode == expected, run.describe()
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_inputs_in_process(inputs, monkeypatch, capsys, name):
+    """Each kind of bad input: its exit status and one clear message."""
+    argv, message, status = BAD_INPUTS[name]
+    code, out, err = _in_inputs(inputs, monkeypatch, argv, capsys)
+    assert code == status, (name, code, err)
+    assert message in err and "Traceback" not in err, (name, err)
+    assert out == "", (name, out)
 
 
 def _ps_script_edges(run):
@@ -380,12 +403,13 @@ def test_cluster_inspects_a_script_with_variables_on_ps(runs, name, source):
     assert (h["kind"], h["shape"], h["nbytes"]) == ("static", [32, 16], 32 * 16 * 4)
 
 
-def test_script_with_variables_on_ps_needs_cluster(runs):
-    run = runs["cluster_missing"]
-    assert run.returncode == command.EXIT_ERROR, run.describe()
-    assert "cannot import ps_script.py" in run.stderr, run.describe()
-    assert "--cluster worker:2,ps:1" in run.stderr, run.describe()
-    assert "Traceback" not in run.stderr and run.stdout == "", run.describe()
+def test_script_with_variables_on_ps_needs_cluster(inputs, monkeypatch, capsys):
+    """In-process: without a cluster the import fails before any server starts."""
+    code, out, err = _in_inputs(inputs, monkeypatch, ["ps_script.py:train_step"], capsys)
+    assert code == command.EXIT_ERROR, err
+    assert "cannot import ps_script.py" in err, err
+    assert "--cluster worker:2,ps:1" in err, err
+    assert "Traceback" not in err and out == "", (out, err)
 
 
 # --------------------------------------------------------------------------- HTML in a browser
@@ -419,14 +443,16 @@ def _chromium():
     return None
 
 
-def test_html_renders_in_headless_chromium(runs, inputs, tmp_path):
+def test_html_renders_in_headless_chromium(runs, inputs, tmp_path, monkeypatch, capsys):
     browser = _chromium()
     if browser is None:
         pytest.skip("Debian's chromium is not installed (make test installs it "
                     "with apt where it can): cannot load the HTML page")
     _ok(runs["pbtxt"])
-    _ok(runs["pb"])
-    expected = {e["key"] for e in json.loads((inputs / "pb.json").read_text())["edges"]}
+    code, out, err = _in_inputs(inputs, monkeypatch, ["model.pb", "--format", "json"],
+                                capsys)
+    assert code == 0, err
+    expected = {e["key"] for e in json.loads(out)["edges"]}
     page = inputs / "plan.html"
     proc = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu",
@@ -682,13 +708,19 @@ def _random_graph(seed):
     return f.get_concrete_function().graph.as_graph_def(add_shapes=True)
 
 
-@pytest.mark.parametrize("layout", _layouts())
-def test_graph_geometry_of_random_graphs(layout):
-    """Five tasks, edges between every pair of columns, several per gap."""
+@pytest.fixture(scope="module")
+def random_reports():
+    """The reports of 8 random graphs, traced once for both layouts."""
     from tf_rdma.graph_passes import rewrite as passes  # pylint: disable=import-outside-toplevel
-    for seed in range(8):
-        report = report_lib.make_report(
-            "random", passes.analyze(_random_graph(seed), name="random"))
+    return {seed: report_lib.make_report(
+                "random", passes.analyze(_random_graph(seed), name="random"))
+            for seed in range(8)}
+
+
+@pytest.mark.parametrize("layout", _layouts())
+def test_graph_geometry_of_random_graphs(random_reports, layout):
+    """Five tasks, edges between every pair of columns, several per gap."""
+    for seed, report in random_reports.items():
         drawing, used, _ = render_graph.draw(report, layout)
         assert used == layout
         problems = geometry_problems(svg_geometry(drawing))

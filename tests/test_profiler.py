@@ -5,29 +5,26 @@ Two real processes over shared memory: worker:0 sends ``ping`` to worker:1,
 which answers ``pong`` (ping + 0.5), then both run a ring allreduce. After
 warm-up steps (connections, regions) worker:0 captures a profile with
 ``tf.profiler.experimental.start(logdir)`` ... ``stop()`` around a few more
-steps. The test reads the XPlane file the profiler wrote under
-``logdir/plugins/profile`` with the proto that TensorFlow ships
+steps, one of them with tf_rdma's events switched off
+(``tfrdma_trace_events``). The test reads the XPlane file the profiler wrote
+under ``logdir/plugins/profile`` with the proto that TensorFlow ships
 (``tensorflow.tsl.profiler.protobuf.xplane_pb2``) and checks the tf_rdma
 events in it: their names (ops and phases), each event's key, bytes, peer and
-step, and that the phases lie inside their op. Nothing here looks at a
-picture.
+step, that the phases lie inside their op, and that only the steps with the
+events on are there. Nothing here looks at a picture.
 
-Two more tests measure the cost (docs/observability.md, "Cost"; the budget
-is "nothing measurable" off and under 1 us per event on): one times the
-trace check and the recording of one event in a loop in one process
-(tfrdma_trace_bench, thread CPU time); the other a chain of 4 KiB hops
-between two processes within one profiler session, tf_rdma's events
-switched on and off every few calls (tfrdma_trace_events).
+The same worker:0 then times the trace check and the recording of one event
+in a loop (``tfrdma_trace_bench``, thread CPU time) against the budget
+(docs/observability.md, "Cost": "nothing measurable" off, under 1 us per
+event on). What the events add to a profiled hop between two processes is
+measured by bench/trace_cost.py, not here.
 """
 
-import glob
-import os
 import statistics
-import urllib.parse
 
 import pytest
 
-from conftest import make_cluster, run_tasks
+from conftest import inside, make_cluster, named, read_xplane_events, run_tasks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,7 +33,10 @@ COLL_ELEMENTS = 4096     # float32: 16 KiB allreduced
 BLOCK = 4096             # bytes: the ring moves 2 chunks of 2 blocks
 INSTANCE = "grads/bucket#0"  # '#' is TraceMe syntax: it travels percent-encoded
 WARMUP = 2
-STEPS = 3
+STEPS = 3                # profiled steps with tf_rdma's events on
+QUIET = WARMUP + 2       # one more profiled step, tf_rdma's events off
+BENCH_OFF_RUNS, BENCH_OFF_CHECKS = 7, 1_000_000  # the loop, tracing off
+BENCH_ON_RUNS, BENCH_ON_EVENTS = 5, 4_000        # and within a session
 SENDER_TASK = "/job:worker/task:0"
 ECHO_TASK = "/job:worker/task:1"
 
@@ -47,6 +47,7 @@ ping = tf_rdma.Plan([tf_rdma.Transfer("ping", SENDER, ECHO, "float32",
 pong = tf_rdma.Plan([tf_rdma.Transfer("pong", ECHO, SENDER, "float32",
                                       [ELEMENTS])], name="pong")
 start()
+from tf_rdma import _loader
 from tf_rdma import collectives as C
 
 def one_step(step):
@@ -65,86 +66,61 @@ def one_step(step):
     return ok and float(z.numpy()[-1]) == 2.0 * step
 
 good = [one_step(s) for s in range(1, WARMUP + 1)]
+events = _loader.load().c.tfrdma_trace_events
 if task == SENDER:
     tf.profiler.experimental.start(LOGDIR)
-good += [one_step(s) for s in range(WARMUP + 1, WARMUP + STEPS + 1)]
+for s in range(WARMUP + 1, WARMUP + STEPS + 2):
+    if task == SENDER:
+        events(0 if s == QUIET else 1)
+    good.append(one_step(s))
 if task == SENDER:
     tf.profiler.experimental.stop()
-result({"good": good})
+    # The trace check and one event, timed in a loop (this thread's CPU time).
+    bench = _loader.load().c.tfrdma_trace_bench
+    off = [bench(BENCH_OFF_CHECKS) / BENCH_OFF_CHECKS
+           for _ in range(BENCH_OFF_RUNS)]
+    tf.profiler.experimental.start(BENCH_LOGDIR)
+    on = [bench(BENCH_ON_EVENTS) / BENCH_ON_EVENTS for _ in range(BENCH_ON_RUNS)]
+    tf.profiler.experimental.stop()
+    result({"good": good, "off_ns": off, "on_ns": on})
+else:
+    result({"good": good})
 """
 
 
-def read_xplane_events(logdir):
-    """Returns the events of the host plane the profiler wrote under logdir.
-
-    Each event is a dict: name, start_ps, end_ps (absolute, picoseconds) and
-    its stats by name (ints for numbers, str otherwise).
-    """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
-
-    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*",
-                                   "*.xplane.pb"))
-    assert len(paths) == 1, f"expected one .xplane.pb under {logdir}, found {paths}"
-    space = xplane_pb2.XSpace()
-    with open(paths[0], "rb") as f:
-        space.ParseFromString(f.read())
-    hosts = [p for p in space.planes if p.name == "/host:CPU"]
-    assert hosts, ("no /host:CPU plane in the profile; planes: "
-                   f"{[p.name for p in space.planes]}")
-    plane = hosts[0]
-    events = []
-    for line in plane.lines:
-        for e in line.events:
-            stats = {}
-            for s in e.stats:
-                name = plane.stat_metadata[s.metadata_id].name
-                kind = s.WhichOneof("value")
-                if kind == "ref_value":
-                    value = plane.stat_metadata[s.ref_value].name
-                else:
-                    value = getattr(s, kind)
-                # tf_rdma percent-encodes '#', ',' and '%' in a value
-                # (kernels/ops/trace_sink.cc).
-                if isinstance(value, str):
-                    value = urllib.parse.unquote(value)
-                stats[name] = value
-            start = line.timestamp_ns * 1000 + e.offset_ps
-            events.append({"name": plane.event_metadata[e.metadata_id].name,
-                           "start_ps": start, "end_ps": start + e.duration_ps,
-                           "stats": stats})
-    return events
-
-
-def named(events, name, key=None):
-    return [e for e in events if e["name"] == name and
-            (key is None or e["stats"].get("key") == key)]
-
-
-def inside(inner, outer):
-    """True if `inner` lies within `outer` (1 us of slack for rounding)."""
-    slack = 1_000_000
-    return (inner["start_ps"] >= outer["start_ps"] - slack and
-            inner["end_ps"] <= outer["end_ps"] + slack)
-
-
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def profile_run(tmp_path_factory):
+    """The two tasks' run: {"events": the profile's host-plane events,
+    "bench": worker:0's loop timings, "bench_events": their profile's}."""
     logdir = str(tmp_path_factory.mktemp("profile"))
+    bench_logdir = str(tmp_path_factory.mktemp("bench"))
     constants = dict(ELEMENTS=ELEMENTS, COLL_ELEMENTS=COLL_ELEMENTS,
                      BLOCK=BLOCK, INSTANCE=INSTANCE, WARMUP=WARMUP,
-                     STEPS=STEPS, LOGDIR=logdir)
+                     STEPS=STEPS, QUIET=QUIET, LOGDIR=logdir,
+                     BENCH_LOGDIR=bench_logdir, BENCH_OFF_RUNS=BENCH_OFF_RUNS,
+                     BENCH_OFF_CHECKS=BENCH_OFF_CHECKS,
+                     BENCH_ON_RUNS=BENCH_ON_RUNS,
+                     BENCH_ON_EVENTS=BENCH_ON_EVENTS)
     program = "".join(f"{k} = {v!r}\n" for k, v in constants.items()) + PROGRAM
     out = run_tasks({"worker:0": program, "worker:1": program},
                     cluster=make_cluster(2),
                     env={"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "60"},
                     timeout=240)
     for task, res in out.items():
-        assert res.result["good"] == [True] * (WARMUP + STEPS), (
+        assert res.result["good"] == [True] * (WARMUP + STEPS + 1), (
             f"{task} computed wrong values: {res.result}")
-    return read_xplane_events(logdir)
+    return {"events": read_xplane_events(logdir, prefix="tf_rdma."),
+            "bench": out["worker:0"].result,
+            "bench_events": read_xplane_events(bench_logdir, prefix="tf_rdma.")}
 
 
-PROFILED_STEPS = set(range(WARMUP + 1, WARMUP + STEPS + 1))
+@pytest.fixture(scope="module")
+def profile(profile_run):
+    return profile_run["events"]
+
+
+#: The steps within the session with tf_rdma's events on.
+PROFILED_STEPS = set(range(WARMUP + 1, WARMUP + STEPS + 2)) - {QUIET}
 
 
 def test_send_and_its_phases(profile):
@@ -217,29 +193,19 @@ def test_collective_and_its_phases(profile):
 
 
 def test_only_profiled_steps_are_traced(profile):
+    """Neither the warm-up steps before the session nor the step within it
+    with tf_rdma's events switched off (tfrdma_trace_events(0)) left an
+    event; the steps after it (switched on again) did."""
     steps = {e["stats"]["step"] for e in profile
              if e["name"] in ("tf_rdma.send", "tf_rdma.recv",
                               "tf_rdma.collective")}
     assert steps == PROFILED_STEPS, steps
 
 
-COST = r"""
-from tf_rdma import _loader
-bench = _loader.load().c.tfrdma_trace_bench
-def per_event(n):
-    return bench(n) / n
-off = [per_event(1_000_000) for _ in range(7)]
-tf.profiler.experimental.start(LOGDIR)
-on = [per_event(20_000) for _ in range(5)]
-tf.profiler.experimental.stop()
-result({"off_ns": off, "on_ns": on})
-"""
 
-
-def test_trace_cost_per_event(tmp_path):
-    out = run_tasks({"worker:0": f"LOGDIR = {str(tmp_path)!r}\n" + COST},
-                    timeout=120)
-    res = out["worker:0"].result
+def test_trace_cost_per_event(profile_run):
+    """The trace check and one event, in a loop: within the budget."""
+    res = profile_run["bench"]
     off = statistics.median(res["off_ns"])
     on = statistics.median(res["on_ns"])
     print(f"trace cost: off {off:.2f} ns per check, on {on:.0f} ns per event "
@@ -250,97 +216,6 @@ def test_trace_cost_per_event(tmp_path):
     # On: the issue's budget.
     assert on < 1000, f"tracing on costs {on:.0f} ns per event, expected < 1000"
     # The events were recorded (the on-runs did record, not skip).
-    events = read_xplane_events(str(tmp_path))
-    assert len(named(events, "tf_rdma.write", "bench/tensor:0")) == 5 * 20_000
-
-
-HOPS = 16       # transfers each way per call: a chain of 2 * HOPS hops
-CALLS = 200     # without a session, and twice that within one
-SWITCH = 10     # within the session, tf_rdma's events go on and off every
-                # SWITCH calls, so that both modes see the same machine
-HOP_PROGRAM = r"""
-from tf_rdma import _loader
-SENDER, ECHO = "worker:0", "worker:1"
-there = tf_rdma.Plan([tf_rdma.Transfer(f"ping{i}", SENDER, ECHO, "float32",
-                                       [ELEMENTS]) for i in range(HOPS)],
-                     name="there")
-back = tf_rdma.Plan([tf_rdma.Transfer(f"pong{i}", ECHO, SENDER, "float32",
-                                      [ELEMENTS]) for i in range(HOPS)],
-                    name="back")
-start()
-events = _loader.load().c.tfrdma_trace_events
-
-@tf.function
-def chain(x):
-    for i in range(HOPS):
-        if task == SENDER:
-            tf_rdma.ops.send(x, there, f"ping{i}")
-            x = tf_rdma.ops.recv(back, f"pong{i}")
-        else:
-            x = tf_rdma.ops.recv(there, f"ping{i}")
-            tf_rdma.ops.send(x, back, f"pong{i}")
-    return x[0]
-
-def timed():
-    t0 = time.perf_counter()
-    chain(x).numpy()
-    return time.perf_counter() - t0
-
-me = task.replace(":", "")
-other = (ECHO if task == SENDER else SENDER).replace(":", "")
-x = tf.zeros([ELEMENTS])
-for _ in range(20):
-    chain(x)
-# The calls are in lockstep (every hop waits for the other task), so both
-# tasks switch modes at the same call.
-times = {"off": [timed() for _ in range(CALLS)], "profiler": [], "on": []}
-tf.profiler.experimental.start(LOGDIR + "/" + me)
-touch(me)
-wait_file(other)
-for i in range(2 * CALLS):
-    mode = "on" if (i // SWITCH) % 2 else "profiler"
-    events(1 if mode == "on" else 0)
-    times[mode].append(timed())
-tf.profiler.experimental.stop()
-events(1)
-result(times)
-"""
-
-
-def test_traced_hops_cost(tmp_path):
-    """A chain of 4 KiB hops between two processes: what tf_rdma's events
-    add to a profiled run.
-
-    Each hop is one transfer: 3 events on the sending side (send,
-    credit_wait, write) and 3 on the receiving side (recv, data_wait,
-    release). A profiler session costs TensorFlow's own tracing too (its
-    executor records every op), so tf_rdma's share is measured within one
-    session, its events switched on and off every few calls
-    (tfrdma_trace_events): the difference of the per-hop medians, divided
-    by 6, bounds the per-event cost on the data path.
-    """
-    sync = tmp_path / "sync"
-    sync.mkdir()
-    constants = dict(ELEMENTS=ELEMENTS, HOPS=HOPS, CALLS=CALLS, SWITCH=SWITCH,
-                     LOGDIR=str(tmp_path))
-    program = ("".join(f"{k} = {v!r}\n" for k, v in constants.items()) +
-               HOP_PROGRAM)
-    out = run_tasks({"worker:0": program, "worker:1": program},
-                    cluster=make_cluster(2),
-                    env={"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "60",
-                         "TEST_SYNC_DIR": str(sync)},
-                    timeout=240)
-    times = out["worker:0"].result
-    hop = {mode: statistics.median(t) / (2 * HOPS) for mode, t in times.items()}
-    per_event = (hop["on"] - hop["profiler"]) / 6
-    print(f"4 KiB hop: no profiler {hop['off'] * 1e6:.1f} us; in a session "
-          f"without tf_rdma's events {hop['profiler'] * 1e6:.1f} us, with "
-          f"them {hop['on'] * 1e6:.1f} us: {per_event * 1e9:.0f} ns per event")
-    # The budget is 1 us per event (6 per hop); twice that leaves room for
-    # the noise of two busy cores.
-    assert per_event < 2e-6, (
-        f"tf_rdma's events add {per_event * 1e9:.0f} ns per event to a "
-        f"profiled 4 KiB hop (per hop: {hop}), expected < 2000 ns")
-    # Only the calls with tf_rdma's events on recorded them.
-    profiled = read_xplane_events(str(tmp_path / "worker0"))
-    assert len(named(profiled, "tf_rdma.send")) == CALLS * HOPS
+    events = profile_run["bench_events"]
+    assert (len(named(events, "tf_rdma.write", "bench/tensor:0")) ==
+            BENCH_ON_RUNS * BENCH_ON_EVENTS)

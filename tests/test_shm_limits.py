@@ -12,13 +12,13 @@ The tasks run in a mount namespace of their own whose /dev/shm is a 64 MiB
 tmpfs (`unshare --mount`, then `nsenter` for each task), so the rest of the
 machine is untouched:
 
-- a 96 MiB tensor over shm and over tcp: both tasks fail with the error;
+- a 96 MiB tensor over shm and over tcp: both tasks fail with the error,
+  and then a 16 MiB tensor between the same endpoints, in the same
+  namespace, arrives intact (the check refuses only what does not fit);
 - a /dev/shm already full when the tasks start: the small regions (a
   writer's credit region included) fail the same way;
 - a peer with the secret asks for a 128 MiB region: it gets the error as its
   OPEN reply, and the endpoint stays up and serves a region that fits;
-- a 16 MiB tensor in the same namespace arrives intact (the check refuses
-  only what does not fit);
 - `tf-rdma doctor`'s /dev/shm section against a small tmpfs.
 """
 
@@ -85,20 +85,35 @@ values = tf.range(n, dtype=tf.float32)
 if task == "worker:0":
     error = error_of(lambda: tf_rdma.ops.send(values, plan, "big", timeout=15))
     touch("sent")
-    result({"error": error})
 else:
     got = []
     error = error_of(lambda: got.append(tf_rdma.ops.recv(plan, "big", timeout=15)))
     exact = bool(got) and bool(tf.reduce_all(got[0] == values))
     wait_file("sent")  # the writer hears the reason from this endpoint
-    result({"error": error, "exact": exact})
+out = {"error": error} if task == "worker:0" else {"error": error, "exact": exact}
+# TEST_THEN_ELEMENTS: then a tensor of that many elements, on its own plan.
+then = int(os.environ.get("TEST_THEN_ELEMENTS", "0"))
+if then:
+    fits = tf_rdma.Plan([tf_rdma.Transfer("fits", "worker:0", "worker:1",
+                                          "float32", [then])],
+                        name="shm_limits_fits", depth=1)
+    small = tf.range(then, dtype=tf.float32)
+    if task == "worker:0":
+        out["then_error"] = error_of(
+            lambda: tf_rdma.ops.send(small, fits, "fits", timeout=15))
+    else:
+        got = []
+        out["then_error"] = error_of(
+            lambda: got.append(tf_rdma.ops.recv(fits, "fits", timeout=15)))
+        out["then_exact"] = bool(got) and bool(tf.reduce_all(got[0] == small))
+result(out)
 """
 
 
-def _run_transfer(tmp_path, prefix, transport, elements, fill=False):
+def _run_transfer(tmp_path, prefix, transport, elements, fill=False, then=0):
     cluster = make_cluster(2)
     env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": transport,
-           "TEST_ELEMENTS": str(elements)}
+           "TEST_ELEMENTS": str(elements), "TEST_THEN_ELEMENTS": str(then)}
     if fill:
         env["TEST_FILL_SHM"] = "1"
     procs = {t: spawn_task(t, TRANSFER, cluster, env, prefix=prefix)
@@ -122,25 +137,24 @@ def _assert_shm_full(error, task):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_tensor_larger_than_dev_shm_is_an_error_on_both_tasks(
         small_dev_shm, tmp_path, transport):
-    results = _run_transfer(tmp_path, small_dev_shm, transport, 24 << 20)  # 96 MiB
+    results = _run_transfer(tmp_path, small_dev_shm, transport, 24 << 20,  # 96 MiB
+                            then=4 << 20)  # 16 MiB
     _assert_shm_full(results["worker:1"]["error"], "worker:1")
     error = results["worker:0"]["error"]
     # The writer hears the reader's reason in the OPEN reply.
     _assert_shm_full(error, "worker:0")
     assert "/job:worker/task:1" in error["message"], error
+    # A tensor that fits arrives intact: the check refuses only what does
+    # not fit, and the refusal left nothing behind that takes its room.
+    assert results["worker:0"]["then_error"] is None, results
+    assert results["worker:1"]["then_error"] is None, results
+    assert results["worker:1"]["then_exact"], results
 
 
 def test_full_dev_shm_fails_small_regions_too(small_dev_shm, tmp_path):
     results = _run_transfer(tmp_path, small_dev_shm, "tcp", 1024, fill=True)
     for task, r in results.items():
         _assert_shm_full(r["error"], task)
-
-
-def test_tensor_that_fits_arrives_intact(small_dev_shm, tmp_path):
-    results = _run_transfer(tmp_path, small_dev_shm, "shm", 4 << 20)  # 16 MiB
-    assert results["worker:0"]["error"] is None, results
-    assert results["worker:1"]["error"] is None, results
-    assert results["worker:1"]["exact"], results
 
 
 ENDPOINT = """

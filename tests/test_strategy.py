@@ -20,6 +20,9 @@ covers several checks:
 - `test_stats_callback_logs_rates_and_wait_fractions`: the RdmaStrategy
   workers' fit ran with `tf_rdma.keras.StatsCallback`, whose keys are in
   every epoch of the History with plausible values.
+- `test_tensorboard_profile_batch_holds_tf_rdma_events`: the same fit ran
+  with `keras.callbacks.TensorBoard(profile_batch=...)`, whose profile holds
+  tf_rdma's events of the profiled batches.
 - `test_checkpoint_from_two_workers_restores_in_one`: one plain Keras
   process restores that checkpoint and evaluates it.
 - `test_killed_worker_fails_fast`: one worker dies (SIGKILL) while the other
@@ -35,13 +38,14 @@ along. Measured (TF 2.21, x86-64): at most 2.7e-7 from one process, and
 bit-identical to MultiWorkerMirroredStrategy.
 """
 
+import os
 import signal
 
 import numpy as np
 import pytest
 
-from conftest import (collect, make_cluster, run_tasks, spawn_task,
-                      transports_used, use_transport)
+from conftest import (collect, inside, make_cluster, named, read_xplane_events,
+                      run_tasks, spawn_task, transports_used, use_transport)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,6 +55,8 @@ MIN_ACCURACY = 0.9
 EPOCHS = 3
 GLOBAL_BATCH = 64
 N_TRAIN = 1280  # 20 global batches: no partial batch in training
+#: The fit's batches (1-based, first epoch) that TensorBoard profiles.
+PROFILE_BATCH = (3, 4)
 
 COMMON = """
 import keras
@@ -107,6 +113,11 @@ callbacks = []
 if MODE == "rdma":  # tf_rdma's counters in the epochs' logs
     import tf_rdma.keras
     callbacks.append(tf_rdma.keras.StatsCallback())
+    # Keras' own profiling (issue 16): the profile of two batches must hold
+    # tf_rdma's events.
+    callbacks.append(keras.callbacks.TensorBoard(
+        log_dir=os.path.join(os.environ["CKPT_DIR"], "tensorboard", f"worker{rank}"),
+        profile_batch=%(profile_batch)r, write_graph=False))
 hist = model.fit(x_train, y_train, batch_size=GB, epochs=%(epochs)d,
                  shuffle=False, verbose=0, callbacks=callbacks)
 out["history"] = hist.history
@@ -201,7 +212,7 @@ out["restored_equal"] = all(np.array_equal(a, w.numpy()) for a, w in
                             zip(before, model.trainable_weights))
 out["plans"] = [p.to_json() for p in strategy.bucket_plans]
 result(out)
-""" % {"epochs": EPOCHS}
+""" % {"epochs": EPOCHS, "profile_batch": PROFILE_BATCH}
 
 RESTORE = COMMON + """
 os.environ.pop("TF_CONFIG", None)
@@ -417,6 +428,45 @@ def test_stats_callback_logs_rates_and_wait_fractions(trained):
         assert max(history["tf_rdma_data_wait_fraction"]) > 0, history
     # The single process has no peers and ran without the callback.
     assert "tf_rdma_sent_MBps" not in res["single"]["history"]
+
+
+def test_tensorboard_profile_batch_holds_tf_rdma_events(trained):
+    """keras.callbacks.TensorBoard(profile_batch=...) in the RdmaStrategy
+    workers' fit (issue 16): the XPlane it wrote for the chief (read as
+    tests/test_profiler.py reads tf.profiler's) holds each gradient bucket's
+    all-reduce with its key, bytes and peers, for the profiled batches only,
+    and each call's phases, inside it."""
+    res, ckpt_dir = trained
+    from tf_rdma.graph_passes.buckets import BucketPlan
+    plan = next(p for p in map(BucketPlan.from_json, res["rdma:0"]["plans"])
+                if len(p.gradients) == 4)
+    events = read_xplane_events(os.path.join(ckpt_dir, "tensorboard", "worker0",
+                                             "train"), prefix="tf_rdma.")
+    calls = [e for e in named(events, "tf_rdma.collective")
+             if ".bucket" in e["stats"]["key"]]
+    keys = sorted({e["stats"]["key"] for e in calls})
+    assert len(keys) == len(plan.buckets) == 2, (
+        keys, sorted({e["name"] for e in events if "tf_rdma" in e["name"]}))
+    profiled = set(range(PROFILE_BATCH[0], PROFILE_BATCH[1] + 1))
+    for key in keys:
+        # "rdma.batch.<k>.<plan hash>.bucket<i>"
+        bucket = plan.buckets[int(key.rsplit("bucket", 1)[1])]
+        mine = named(calls, "tf_rdma.collective", key)
+        assert sorted(e["stats"]["step"] for e in mine) == sorted(profiled), mine
+        for call in mine:
+            assert call["stats"]["kind"] == "allreduce", call
+            assert call["stats"]["bytes"] == bucket.nbytes, (call, bucket)
+            assert call["stats"]["peer"] == "/job:worker/task:0 /job:worker/task:1", call
+            phases = [e for e in named(events, None, key)
+                      if e["name"] != "tf_rdma.collective" and inside(e, call)]
+            assert {"tf_rdma.credit_wait", "tf_rdma.write", "tf_rdma.data_wait",
+                    "tf_rdma.reduce", "tf_rdma.release"} <= {
+                        e["name"] for e in phases}, (call, phases)
+            assert all(e["stats"]["peer"] == "/job:worker/task:1"
+                       for e in phases), phases
+        # Every phase of the bucket's all-reduce lies inside one of its calls.
+        for e in named(events, None, key):
+            assert any(inside(e, call) for call in mine), e
 
 
 def test_checkpoint_from_two_workers_restores_in_one(trained):

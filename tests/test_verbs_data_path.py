@@ -5,9 +5,11 @@ softnic, the emulated NIC) and the pair counters of endpoint_info():
 
 - a large static tensor sent step after step is written in place (zero-copy,
   through implicit on-demand paging) once the pair is up, and is staged
-  (copied into the registered staging area) with TF_RDMA_VERBS_ODP=off;
+  (copied into the registered staging area) with TF_RDMA_VERBS_ODP=off (one
+  cluster: two senders, one with each setting, to one receiver);
 - writes from several threads to one peer are in flight together rather
-  than one round trip after another;
+  than one round trip after another (one cluster: a sender with the
+  default settings and one with the smallest queue and staged payloads);
 - bench/verbs_path.py, which measures both, labels emulated numbers.
 
 Every received tensor is checked bit for bit against what was sent.
@@ -20,8 +22,8 @@ import sys
 
 import pytest
 
-from conftest import (REPO, base_env, make_cluster, require_verbs, run_tasks,
-                      verbs_missing)
+from conftest import (REPO, base_env, collect, make_cluster, require_verbs,
+                      spawn_task, verbs_missing)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,9 +34,10 @@ THREAD_STEPS = 25
 THREAD_ELEMENTS = 64 * 1024  # float32: 256 KiB
 
 STATIC = """
-SENDER, RECEIVER = "worker:0", "worker:1"
-plan = tf_rdma.Plan([tf_rdma.Transfer("w", SENDER, RECEIVER, "float32",
-                                      [STATIC_ELEMENTS])], name="static", depth=1)
+SENDERS, RECEIVER = {"worker:0": "w", "worker:2": "v"}, "worker:1"
+plan = tf_rdma.Plan([tf_rdma.Transfer(key, sender, RECEIVER, "float32",
+                                      [STATIC_ELEMENTS])
+                     for sender, key in SENDERS.items()], name="static", depth=1)
 ep = start()
 
 def counters():
@@ -43,39 +46,54 @@ def counters():
     return pair["counters"]
 
 value = tf.constant(np.arange(STATIC_ELEMENTS, dtype=np.float32) * 0.5 + 1.0)
-if task == SENDER:
-    tf_rdma.ops.send(value, plan, "w")  # warm-up: connects, binds the slot
+if task in SENDERS:
+    key = SENDERS[task]
+    tf_rdma.ops.send(value, plan, key)  # warm-up: connects, binds the slot
     before = counters()
     for _ in range(STATIC_STEPS - 1):
-        tf_rdma.ops.send(value, plan, "w")
+        tf_rdma.ops.send(value, plan, key)
     result({"device": tf_rdma.endpoint_info()["verbs"], "before": before,
             "after": counters()})
 else:
-    same = [bool(np.array_equal(tf_rdma.ops.recv(plan, "w").numpy(),
-                                value.numpy()))
-            for _ in range(STATIC_STEPS)]
+    same = {key: [] for key in SENDERS.values()}
+    for _ in range(STATIC_STEPS):
+        for key in same:
+            same[key].append(bool(np.array_equal(
+                tf_rdma.ops.recv(plan, key).numpy(), value.numpy())))
     result({"same": same})
 """
 
 
-def run_static(env):
+@pytest.fixture(scope="module")
+def static_runs():
+    """One cluster, two senders of the same static tensor to worker:1:
+    worker:0 with the default settings, worker:2 with TF_RDMA_VERBS_ODP=off
+    (the setting is the sender's own). Returns {"auto" | "off": (the
+    sender's verbs device, the deltas of its pair counters after warm-up)}."""
     require_verbs()
     program = (f"STATIC_ELEMENTS = {STATIC_ELEMENTS}\n"
                f"STATIC_STEPS = {STATIC_STEPS}\n" + STATIC)
-    out = run_tasks({"worker:0": program, "worker:1": program},
-                    cluster=make_cluster(2),
-                    env={"TF_RDMA_TRANSPORT": "verbs", "TF_RDMA_TIMEOUT": "30",
-                         **env},
-                    timeout=180)
-    sender, receiver = out["worker:0"].result, out["worker:1"].result
-    assert receiver["same"] == [True] * STATIC_STEPS
-    delta = {k: sender["after"][k] - sender["before"][k]
-             for k in ("writes", "bytes_in_place", "bytes_staged", "bytes_inline")}
-    return sender["device"], delta
+    cluster = make_cluster(3)
+    env = {"TF_RDMA_TRANSPORT": "verbs", "TF_RDMA_TIMEOUT": "30"}
+    task_env = {"worker:0": env, "worker:1": env,
+                "worker:2": {**env, "TF_RDMA_VERBS_ODP": "off"}}
+    procs = {t: spawn_task(t, program, cluster, e) for t, e in task_env.items()}
+    out = collect(procs, timeout=180)
+    bad = [r for r in out.values() if r.returncode != 0]
+    assert not bad, "task failed\n" + "\n".join(r.describe() for r in out.values())
+    same = out["worker:1"].result["same"]
+    assert same == {"w": [True] * STATIC_STEPS, "v": [True] * STATIC_STEPS}, same
+    runs = {}
+    for setting, sender in (("auto", "worker:0"), ("off", "worker:2")):
+        res = out[sender].result
+        runs[setting] = (res["device"], {
+            k: res["after"][k] - res["before"][k]
+            for k in ("writes", "bytes_in_place", "bytes_staged", "bytes_inline")})
+    return runs
 
 
-def test_static_tensor_is_written_in_place_after_warm_up():
-    device, delta = run_static({})
+def test_static_tensor_is_written_in_place_after_warm_up(static_runs):
+    device, delta = static_runs["auto"]
     if "on-demand paging implicit" not in device:
         pytest.skip(f"the device has no implicit on-demand paging: {device}")
     nbytes = STATIC_ELEMENTS * 4
@@ -86,8 +104,8 @@ def test_static_tensor_is_written_in_place_after_warm_up():
     assert delta["writes"] >= STATIC_STEPS - 1, delta
 
 
-def test_without_on_demand_paging_tensors_are_staged():
-    device, delta = run_static({"TF_RDMA_VERBS_ODP": "off"})
+def test_without_on_demand_paging_tensors_are_staged(static_runs):
+    device, delta = static_runs["off"]
     assert "on-demand paging off" in device, device
     nbytes = STATIC_ELEMENTS * 4
     assert delta["bytes_in_place"] == 0, delta
@@ -96,29 +114,35 @@ def test_without_on_demand_paging_tensors_are_staged():
 
 THREADED = """
 import threading
-SENDER, RECEIVER = "worker:0", "worker:1"
-plans = [tf_rdma.Plan([tf_rdma.Transfer(f"t{i}", SENDER, RECEIVER, "float32",
-                                        [THREAD_ELEMENTS])], name=f"p{i}", depth=2)
-         for i in range(THREADS)]
+SENDERS, RECEIVER = {"worker:0": "in_place", "worker:2": "staged"}, "worker:1"
+plans = {(sender, i): (tf_rdma.Plan(
+             [tf_rdma.Transfer(f"{name}{i}", sender, RECEIVER, "float32",
+                               [THREAD_ELEMENTS])], name=f"{name}{i}", depth=2),
+                        f"{name}{i}")
+         for sender, name in SENDERS.items() for i in range(THREADS)}
 ep = start()
 
 def value(i, step):
     return tf.fill([THREAD_ELEMENTS], float(1000 * i + step))
 
 errors = []
-def run(i):
+def run(sender, i):
+    plan, key = plans[(sender, i)]
     try:
         for step in range(THREAD_STEPS):
-            if task == SENDER:
-                tf_rdma.ops.send(value(i, step), plans[i], f"t{i}")
+            if task == sender:
+                tf_rdma.ops.send(value(i, step), plan, key)
             else:
-                got = tf_rdma.ops.recv(plans[i], f"t{i}").numpy()
+                got = tf_rdma.ops.recv(plan, key).numpy()
                 if not np.array_equal(got, value(i, step).numpy()):
-                    errors.append(f"thread {i} step {step}: {got[:3]}")
+                    errors.append(f"{key} step {step}: {got[:3]}")
     except Exception as e:  # reported, checked by the test
-        errors.append(f"thread {i}: {e}")
+        errors.append(f"{key}: {e}")
 
-threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
+# A sender runs its THREADS threads; the receiver one per thread of each.
+threads = [threading.Thread(target=run, args=(sender, i))
+           for sender in SENDERS for i in range(THREADS)
+           if task in (sender, RECEIVER)]
 for t in threads:
     t.start()
 for t in threads:
@@ -129,8 +153,14 @@ result({"errors": errors, "counters": pairs[0]["counters"] if pairs else None})
 """
 
 
-@pytest.mark.parametrize("setting", ["in_place", "staged_queue_of_4"])
-def test_writes_from_threads_are_in_flight_together(setting):
+@pytest.fixture(scope="module")
+def threaded_run():
+    """One cluster, two senders to worker:1, each from THREADS threads:
+    worker:0 with the default settings ("in_place"), worker:2 with the
+    smallest send queue and staged payloads ("staged_queue_of_4": writers
+    wait for room and for staging chunks while others' requests are in
+    flight; both settings are the writer's own). Returns {setting: the
+    sender's pair counters}, after checking every received tensor."""
     require_verbs()
     program = (f"THREADS = {THREADS}\nTHREAD_STEPS = {THREAD_STEPS}\n"
                f"THREAD_ELEMENTS = {THREAD_ELEMENTS}\n" + THREADED)
@@ -138,15 +168,23 @@ def test_writes_from_threads_are_in_flight_together(setting):
     # that writes serialized one after another could not go unnoticed.
     env = {"TF_RDMA_TRANSPORT": "verbs", "TF_RDMA_TIMEOUT": "60",
            "TF_RDMA_SOFTNIC_DELAY_US": "2000"}
-    if setting == "staged_queue_of_4":
-        # The smallest send queue and staged payloads: writers wait for room
-        # and for staging chunks while others' requests are in flight.
-        env.update(TF_RDMA_VERBS_QUEUE_DEPTH="4", TF_RDMA_VERBS_ODP="off")
-    out = run_tasks({"worker:0": program, "worker:1": program},
-                    cluster=make_cluster(2), env=env, timeout=240)
-    sender, receiver = out["worker:0"].result, out["worker:1"].result
-    assert sender["errors"] == [] and receiver["errors"] == []
-    counters = sender["counters"]
+    task_env = {"worker:0": env, "worker:1": env,
+                "worker:2": {**env, "TF_RDMA_VERBS_QUEUE_DEPTH": "4",
+                             "TF_RDMA_VERBS_ODP": "off"}}
+    cluster = make_cluster(3)
+    procs = {t: spawn_task(t, program, cluster, e) for t, e in task_env.items()}
+    out = collect(procs, timeout=240)
+    bad = [r for r in out.values() if r.returncode != 0]
+    assert not bad, "task failed\n" + "\n".join(r.describe() for r in out.values())
+    for res in out.values():
+        assert res.result["errors"] == [], res.describe()
+    return {"in_place": out["worker:0"].result["counters"],
+            "staged_queue_of_4": out["worker:2"].result["counters"]}
+
+
+@pytest.mark.parametrize("setting", ["in_place", "staged_queue_of_4"])
+def test_writes_from_threads_are_in_flight_together(threaded_run, setting):
+    counters = threaded_run[setting]
     assert counters["writes"] >= THREADS * THREAD_STEPS
     assert counters["max_writes_in_flight"] >= 2, counters
     if setting == "in_place":
