@@ -29,8 +29,8 @@ import sys
 
 import pytest
 
-from conftest import base_env, make_cluster, start_servers, stop_servers
-from test_profiler import inside, named, read_xplane_events
+from conftest import (base_env, inside, make_cluster, named, read_xplane_events,
+                      start_servers, stop_servers)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,7 +114,7 @@ def traces(tmp_path_factory):
 
 def worker_events(logdir, address):
     """The events of the one worker at `address` (its file is named
-    host_port.xplane.pb), read with test_profiler's reader."""
+    host_port.xplane.pb), read with conftest's reader."""
     host, port = address.rsplit(":", 1)
     paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*",
                                    f"{host}_{port}.xplane.pb"))
@@ -122,7 +122,7 @@ def worker_events(logdir, address):
     alone = os.path.join(logdir, port, "plugins", "profile", "run")
     os.makedirs(alone)
     shutil.copy(paths[0], alone)
-    return read_xplane_events(os.path.join(logdir, port))
+    return read_xplane_events(os.path.join(logdir, port), prefix="tf_rdma.")
 
 
 def test_the_sending_worker_traces_the_send_and_its_phases(traces):
