@@ -189,6 +189,7 @@ def test_timeouts_carry_the_peer_position():
     assert coll and "DeadlineExceeded" in coll["type"], got
     assert "allreduce 'never'" in coll["message"], coll
     assert f"{A} has not started this collective" in coll["message"], coll
+    print(recv["message"], coll["message"], sep="\n")
 
 
 @pytest.mark.fast

@@ -10,7 +10,7 @@
 //
 //   tf_rdma[/job:worker/task:1]: stall: allreduce 'grads' step 5 waits
 //   1.0 s for block 12 from /job:worker/task:0, which is in step 5 of it
-//   (has completed 4) and itself waits: allreduce 'grads' step 5 waits
+//   (has completed 4); it itself waits: allreduce 'grads' step 5 waits
 //   1.0 s for block 11 from /job:worker/task:2
 //
 // The line names the tensor (or the collective and its call), this task's
@@ -259,7 +259,7 @@ std::string Engine::PeerPosition(const StallWait& w, const Deadline& deadline,
   if (*answered) {
     std::string out = Printable(reply["position"], 300);
     if (!reply["waits"].empty()) {
-      out += " and itself waits: " + Printable(reply["waits"], 600);
+      out += "; it itself waits: " + Printable(reply["waits"], 600);
     }
     return out;
   }
@@ -435,14 +435,17 @@ void Engine::AnswerPosition(const std::map<std::string, std::string>& fields,
         }
       }
       uint64_t taken = 0;
-      {
-        std::lock_guard<std::mutex> lock(slot->mu);
+      std::unique_lock<std::mutex> lock(slot->mu, std::try_to_lock);
+      if (lock.owns_lock()) {
         taken = slot->steps.claimed;
         for (uint64_t t : slot->taken) taken = std::max(taken, t);
+        lock.unlock();
       }
       if (waiting) {
         position = "waits " + Seconds(now - waiting->since) + " for " +
                    StepWord(slot->spec, waiting->step) + " of it";
+      } else if (taken == 0) {
+        position = "is not waiting for it";
       } else {
         position = "has taken step " + std::to_string(taken) +
                    " of it and is not waiting for it (a copy is released "
