@@ -15,8 +15,9 @@ the peer does not answer); a timeout's error carries the same facts.
   its step and either a peer that answered and itself waits for worker 2 (a
   chain) or worker 2 as not answering; the results equal numpy's sums.
 - `test_timeouts_carry_the_peer_position`: with TF_RDMA_TIMEOUT=3 a recv
-  whose sender stopped after 2 steps, and an allreduce the peer never joins,
-  fail with the peer's answer in the error.
+  whose sender stopped after 2 steps, a send whose reader holds the copy it
+  needs, and an allreduce the peer never joins fail with the peer's answer
+  in the error.
 - `test_setting_is_checked`: bad TF_RDMA_STALL_WARNING values are errors
   naming the value (fast, no processes).
 
@@ -157,14 +158,23 @@ from tf_rdma import collectives as C
 from tf_rdma.cluster import canonical_task
 me = canonical_task(task)
 plan = tf_rdma.Plan([tf_rdma.Transfer("x", A, B, "float32", [16])], name="late")
+held = tf_rdma.Plan([tf_rdma.Transfer("h", A, B, "float32", [16])], name="held",
+                    depth=1)
 start(timeout=3)
 if me == A:
     for step in range(2):
         tf_rdma.ops.send(tf.zeros([16]), plan, "x")
-    wait_file("done")          # alive and answering, never sends step 3
+    tf_rdma.ops.send(tf.zeros([16]), held, "h")
+    wait_file("held")
+    # B holds step 1 of the depth-1 slot: step 2 waits for its credit.
+    send = error_of(lambda: tf_rdma.ops.send(tf.ones([16]), held, "h"))
+    result({"send": send})
+    wait_file("done")          # alive and answering, never sends x's step 3
 else:
     for step in range(2):
         tf_rdma.ops.recv(plan, "x").numpy()
+    h = tf_rdma.ops.recv(held, "h")
+    touch("held")
     recv = error_of(lambda: tf_rdma.ops.recv(plan, "x").numpy())
     coll = error_of(lambda: C.all_reduce(tf.ones([100]), algorithm="ring",
                                          block_bytes=256, name="never"))
@@ -189,7 +199,12 @@ def test_timeouts_carry_the_peer_position():
     assert coll and "DeadlineExceeded" in coll["type"], got
     assert "allreduce 'never'" in coll["message"], coll
     assert f"{A} has not started this collective" in coll["message"], coll
-    print(recv["message"], coll["message"], sep="\n")
+    send = out[A].result["send"]
+    assert send and "DeadlineExceeded" in send["type"], send
+    assert "tensor 'h' (peer /job:worker/task:1, step 2)" in send["message"], send
+    assert (f"release the slot it used at step 1; {B} has taken step 1 of it "
+            "and is not waiting for it") in send["message"], send
+    print(recv["message"], coll["message"], send["message"], sep="\n")
 
 
 @pytest.mark.fast
@@ -208,3 +223,26 @@ def test_setting_values():
     assert settings.stall_warning_seconds(
         env={"TF_RDMA_STALL_WARNING": "0.5"}) == 0.5
     assert settings.stall_warning_seconds(2, env={}) == 2.0
+
+
+COST = r"""
+from tf_rdma import _loader
+bench = _loader.load().c.tfrdma_stall_bench
+runs = [bench(200_000) / 200_000 for _ in range(5)]
+result({"ns": runs})
+"""
+
+
+@pytest.mark.timeout(120)
+def test_registration_cost():
+    """What a wait that sleeps pays to be watched: a registration and its
+    end, in a loop in one process (thread CPU time). A transfer that does
+    not wait pays nothing."""
+    import statistics
+    out = run_tasks({A: COST}, cluster=make_cluster(1), timeout=100)
+    runs = out[A].result["ns"]
+    median = statistics.median(runs)
+    print(f"stall registration: {median:.0f} ns per wait (runs {runs})")
+    # A mutex, an allocation and a push, then a mutex and a pop: well under
+    # a microsecond; 2 us leaves room for a busy machine.
+    assert median < 2000, runs

@@ -312,6 +312,10 @@ class Engine {
   void CollectiveBegin(const std::string& instance,
                        const std::string& describe, uint64_t call);
   void CollectiveEnd(const std::string& instance, bool ok);
+  // Thread CPU nanoseconds of `n` registrations of a wait with the stall
+  // inspector and their ends (what a wait that sleeps pays): the cost
+  // measured by tests/test_stall.py (tfrdma_stall_bench).
+  int64_t StallBench(int64_t n);
 
   void Log(const std::string& line);
   // Log for lines a peer can cause (rejections): at most a few per

@@ -46,6 +46,8 @@
 // run on engine threads (Schedule), never on the poller, so a peer that
 // does not answer delays only its own line.
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -110,6 +112,23 @@ void Engine::CollectiveEnd(const std::string& instance, bool ok) {
   c.completed = std::max(c.completed, c.running);
   c.running = 0;
   c.failed = !ok;
+}
+
+int64_t Engine::StallBench(int64_t n) {
+  RecvSlot slot;
+  slot.spec.tensor_name = "bench/tensor:0";
+  slot.spec.peer = "/job:worker/task:1";
+  auto cpu_ns = [] {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  };
+  int64_t start = cpu_ns();
+  for (int64_t i = 0; i < n; ++i) {
+    EndStall(BeginStall(StallWait::kData, &slot, nullptr,
+                        static_cast<uint64_t>(i + 1), 0));
+  }
+  return cpu_ns() - start;
 }
 
 std::shared_ptr<StallWait> Engine::BeginStall(int kind, RecvSlot* recv,
