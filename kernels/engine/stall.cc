@@ -115,9 +115,14 @@ void Engine::CollectiveEnd(const std::string& instance, bool ok) {
 }
 
 int64_t Engine::StallBench(int64_t n) {
-  RecvSlot slot;
-  slot.spec.tensor_name = "bench/tensor:0";
-  slot.spec.peer = "/job:worker/task:1";
+  // Never freed: a peer's question may still read a wait of it (slots live
+  // as long as the engine).
+  static RecvSlot* slot = [] {
+    RecvSlot* s = new RecvSlot();
+    s->spec.tensor_name = "bench/tensor:0";
+    s->spec.peer = "/job:worker/task:1";
+    return s;
+  }();
   auto cpu_ns = [] {
     timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -125,7 +130,7 @@ int64_t Engine::StallBench(int64_t n) {
   };
   int64_t start = cpu_ns();
   for (int64_t i = 0; i < n; ++i) {
-    EndStall(BeginStall(StallWait::kData, &slot, nullptr,
+    EndStall(BeginStall(StallWait::kData, slot, nullptr,
                         static_cast<uint64_t>(i + 1), 0));
   }
   return cpu_ns() - start;
