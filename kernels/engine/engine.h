@@ -382,8 +382,9 @@ class Engine {
                            bool* answered);
   // What this side knows of the peer's progress on the wait's slot.
   std::string LocalFacts(const StallWait& wait);
-  // For a timeout's message: "; <peer> <position>", freshly asked (bounded)
-  // or, if the peer does not answer, as last learnt, with local facts.
+  // For a timeout's message: "; <peer> <position>", freshly asked (within
+  // 250 ms) or, if the peer does not answer, as last learnt, with local
+  // facts.
   std::string StallFacts(const std::shared_ptr<StallWait>& wait);
   // Answers what=position (query.cc).
   void AnswerPosition(const std::map<std::string, std::string>& fields,
@@ -436,7 +437,7 @@ class Engine {
   // gone), or ok; `what` prefixes the message.
   Status RecvCheck(RecvSlot* slot, const std::string& what);
   // With the peer's position (StallFacts) when `stall` is set: may ask the
-  // peer, for up to a second.
+  // peer, for up to 250 ms.
   Status RecvTimedOut(RecvSlot* slot, const std::string& what,
                       const Status& timeout,
                       const std::shared_ptr<StallWait>& stall);

@@ -234,8 +234,8 @@ void Engine::PollerLoop() {
             TakePending(p, Status::Ok());
             continue;
           }
-          // The timeout's message asks the peer for its position (up to a
-          // second, stall.cc): on an engine thread, not on this one, which
+          // The timeout's message asks the peer for its position (up to
+          // 250 ms, stall.cc): on an engine thread, not on this one, which
           // serves every other wait.
           p->timing_out = true;
           p->handed_off = true;

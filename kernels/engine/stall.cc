@@ -28,7 +28,8 @@
 // peer released.
 //
 // A wait that times out (TF_RDMA_TIMEOUT) carries the same facts in its
-// error, asked afresh (bounded by kAskMs) or, if the peer does not answer,
+// error, asked afresh (bounded by kAskAtTimeoutMs, so that the error stays
+// within the timeout's second of grace) or, if the peer does not answer,
 // as last learnt (StallFacts).
 //
 // Why here. A stall is visible only to the side that waits, and what it
@@ -68,8 +69,11 @@ namespace tf_rdma {
 
 namespace {
 
-// How long a question to a peer may take.
+// How long a question to a peer may take: for a stall line, and when a
+// wait has timed out (its error is due; the reliability contract gives it
+// timeout + 1 s in all).
 constexpr int64_t kAskMs = 1000;
+constexpr int64_t kAskAtTimeoutMs = 250;
 // How often the watchdog looks at the waits (at most; less for a warning
 // below a second).
 constexpr int64_t kScanMs = 250;
@@ -347,7 +351,8 @@ std::string Engine::LocalFacts(const StallWait& w) {
 std::string Engine::StallFacts(const std::shared_ptr<StallWait>& wait) {
   if (!wait) return "";
   bool answered = false;
-  std::string position = PeerPosition(*wait, Deadline(kAskMs), &answered);
+  std::string position =
+      PeerPosition(*wait, Deadline(kAskAtTimeoutMs), &answered);
   std::string out = "; " + wait->spec->peer + " " + position;
   if (!answered) {
     std::lock_guard<std::mutex> lock(stall_mu_);
