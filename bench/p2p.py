@@ -14,7 +14,10 @@ the servers) and runs itself inside it as the client (``--client``); the
 client measures and prints its results as one JSON line on stdout, which the
 orchestrator collects. TensorFlow's own gRPC path is measured in the shm
 cluster with the same graphs; ``memcpy`` (a single-threaded numpy copy of the
-same bytes into a preallocated array) is measured in the orchestrator itself.
+same bytes into a preallocated array) is measured in the orchestrator itself,
+and so, when tcp is measured, is ``socket``: the same chain of hops over a raw
+loopback TCP connection between two processes (bench/_harness/socket_chain.py),
+the ceiling of the tcp transport ("tcp % socket").
 
 Two views of a transfer are reported for every size:
 
@@ -76,6 +79,7 @@ from _harness import nic
 from _harness.children import child_env, emit_result, run_child
 from _harness.report import (Run, print_table, result_entry, verdict,
                              write_json)
+from _harness.socket_chain import measure_socket_chain
 from _harness.units import KiB, MiB, human_size, human_time, parse_size
 
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
@@ -87,7 +91,9 @@ WARMUP = 2
 TRANSPORTS = ("shm", "tcp", "verbs")
 DEFAULT_TRANSPORTS = ("shm", "tcp")  # verbs: on request (--nic: which NIC)
 SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "tf_rdma-verbs",
-           "tf_rdma-verbs-emulated", "grpc", "memcpy")
+           "tf_rdma-verbs-emulated", "grpc", "socket", "memcpy")
+# Baselines the orchestrator measures itself, per hop only (no "p2p-call").
+BASELINES = ("socket", "memcpy")
 OPS = ("p2p", "p2p-call")
 
 TASKS = ("/job:worker/task:0", "/job:worker/task:1")
@@ -98,6 +104,7 @@ LOG_PREFIX = "[p2p] "
 TARGET_64M_VS_GRPC = 5.0
 TARGET_64M_OF_MEMCPY = 0.60
 TARGET_4K_VS_GRPC = 10.0
+TARGET_64M_TCP_OF_SOCKET = 0.90
 
 
 # --- helpers ---
@@ -377,21 +384,23 @@ def print_tables(results, sizes):
         print()
         print(title)
         header = ["size"] + [f"{s} (med)" for s in present if
-                             s != "memcpy" or op == "p2p"]
+                             s not in BASELINES or op == "p2p"]
         header += ["GB/s shm", "shm vs grpc", "tcp vs grpc", "shm % memcpy"]
+        if op == "p2p" and "socket" in present:
+            header.append("tcp % socket")
         rows = []
         for size in sizes:
             row = [human_size(size)]
             for s in present:
-                if s == "memcpy" and op != "p2p":
+                if s in BASELINES and op != "p2p":
                     continue
-                key = (s, op if s != "memcpy" else "p2p", size)
-                r = by.get(key)
+                r = by.get((s, op, size))
                 row.append(human_time(r["median_s"]) if r else "-")
             shm = by.get(("tf_rdma-shm", op, size))
             tcp = by.get(("tf_rdma-tcp", op, size))
             grpc = by.get(("grpc", op, size))
             mem = by.get(("memcpy", "p2p", size))
+            sock = by.get(("socket", "p2p", size))
             row.append(f"{gbps(size, shm['median_s']):.2f}" if shm else "-")
             row.append(f"{grpc['median_s'] / shm['median_s']:.1f}x"
                        if shm and grpc else "-")
@@ -399,6 +408,9 @@ def print_tables(results, sizes):
                        if tcp and grpc else "-")
             row.append(f"{100 * mem['median_s'] / shm['median_s']:.0f}%"
                        if shm and mem else "-")
+            if op == "p2p" and "socket" in present:
+                row.append(f"{100 * sock['median_s'] / tcp['median_s']:.0f}%"
+                           if tcp and sock else "-")
             rows.append(row)
         print_table(header, rows)
 
@@ -480,6 +492,14 @@ def check_lines(results, marginals=()):
                      f"{gbps(64 * MiB, mem):.2f} GB/s (target >= "
                      f"{100 * TARGET_64M_OF_MEMCPY:.0f}%): "
                      f"{verdict(f >= TARGET_64M_OF_MEMCPY)}")
+    tcp, sock = get("tf_rdma-tcp", 64 * MiB), get("socket", 64 * MiB)
+    if tcp and sock:
+        f = sock / tcp
+        lines.append(f"64 MiB tcp: {gbps(64 * MiB, tcp):.2f} GB/s = "
+                     f"{100 * f:.0f}% of a raw loopback socket's "
+                     f"{gbps(64 * MiB, sock):.2f} GB/s (target >= "
+                     f"{100 * TARGET_64M_TCP_OF_SOCKET:.0f}%): "
+                     f"{verdict(f >= TARGET_64M_TCP_OF_SOCKET)}")
     shm, grpc = get("tf_rdma-shm", 4 * KiB), get("grpc", 4 * KiB)
     if shm and grpc:
         x = grpc / shm
@@ -529,6 +549,18 @@ def orchestrate(args):
     log("memcpy: numpy.copyto, single thread, same sizes")
     memcpy = {size: measure_memcpy(size, (args.runs + 1) // 2)
               for size in args.sizes}
+    # The raw socket, the tcp transport's ceiling, the same way.
+    measure_socket = "tcp" in args.transports
+
+    def socket_hops(size):
+        return args.hops or hops_for(size)[0]
+
+    sockets = {}
+    if measure_socket:
+        log("socket: a raw loopback TCP connection, the same chains")
+        sockets = {size: measure_socket_chain(size, socket_hops(size),
+                                              (args.runs + 1) // 2, WARMUP)
+                   for size in args.sizes}
     failed = []
     clients = {}
     verbs_nic = None
@@ -561,6 +593,10 @@ def orchestrate(args):
     for size in args.sizes:
         memcpy[size] += measure_memcpy(size, args.runs // 2 or 1)
         results.append(result("memcpy", "p2p", size, memcpy[size]))
+        if measure_socket:
+            sockets[size] += measure_socket_chain(
+                size, socket_hops(size), args.runs // 2 or 1, WARMUP)
+            results.append(result("socket", "p2p", size, sockets[size]))
     order = {s: i for i, s in enumerate(SYSTEMS)}
     results.sort(key=lambda r: (OPS.index(r["op"]), r["size_bytes"],
                                 order.get(r["system"], 99)))
@@ -598,6 +634,9 @@ def orchestrate(args):
                       "grpc_chain_check", []),
                   "memcpy": "numpy.copyto into a preallocated array, one "
                             "thread",
+                  "socket": "loopback TCP between two processes, "
+                            "TCP_NODELAY, 4 MiB buffers, recv_into a "
+                            "preallocated buffer, the same chain of hops",
                   "verbs_nic": verbs_nic,
                   **run.timing()}
         write_json(args.json, run.document(config, results,

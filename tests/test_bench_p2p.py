@@ -105,6 +105,34 @@ def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
     assert all(": MISSED" in line for line in p2p.check_lines(slow))
 
 
+def test_tcp_is_checked_against_the_raw_socket_and_tabled(p2p, capsys):
+    """The tcp line: socket time / tcp time against 90%; the p2p table gets
+    a "tcp % socket" column (the socket has no p2p-call view)."""
+    def results(tcp_s):
+        return [entry("tf_rdma-tcp", "p2p", 64 * MiB, tcp_s),
+                entry("socket", "p2p", 64 * MiB, 16e-3),
+                entry("tf_rdma-tcp", "p2p-call", 64 * MiB, tcp_s * 2)]
+    met = p2p.check_lines(results(17e-3))
+    assert len(met) == 1 and "= 94% of a raw loopback socket" in met[0], met
+    assert met[0].endswith(": met"), met
+    missed = p2p.check_lines(results(21e-3))
+    assert "= 76% of" in missed[0] and missed[0].endswith(": MISSED"), missed
+    p2p.print_tables(results(20e-3), [64 * MiB])
+    out = capsys.readouterr().out
+    per_hop, per_call = out.split("p2p-call:")
+    assert "tcp % socket" in per_hop and "80%" in per_hop, out
+    assert "socket" not in per_call, out
+
+
+def test_the_socket_chain_moves_the_bytes_it_times(p2p):
+    """bench/_harness/socket_chain.py really moves the bytes: a chain of
+    even and of odd length over loopback returns one positive time per run
+    (an odd chain ends at the peer, which acknowledges)."""
+    for size, hops in ((64 * KiB + 3, 4), (1000, 3)):
+        times = p2p.measure_socket_chain(size, hops, runs=3, warmup=1)
+        assert len(times) == 3 and all(t > 0 for t in times), times
+
+
 # --- verbs: hardware or softnic, and the label that says which ---
 #
 # bench/p2p.py --transports verbs runs over softnic (the emulated NIC) where

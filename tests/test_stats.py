@@ -241,3 +241,31 @@ def test_difference_counts_new_peers_from_zero_and_rejects_reversed_snapshots():
         counters.difference(_snapshot(3.0, _counters(), peers={}), after)
     with pytest.raises(ValueError, match="taken 1.000 s after"):
         counters.difference(before, after)
+
+
+@pytest.mark.fast
+def test_summarize_groups_one_sides_phases_by_call():
+    """measured.summarize: the newest `last` calls of one side, each phase
+    summed within its call (a dynamic send may have two writes), medians
+    and maxima in µs; the other side's events and older calls are left out."""
+    from tf_rdma import measured
+
+    def ev(name, step, start_us, end_us, nbytes=64):
+        return {"name": "tf_rdma." + name, "peer": B, "step": step,
+                "bytes": nbytes, "start_ns": start_us * 1000, "end_ns": end_us * 1000}
+
+    events = [ev("send", 1, 0, 100), ev("write", 1, 10, 90),
+              ev("credit_wait", 2, 100, 150), ev("write", 2, 150, 160),
+              ev("write", 2, 160, 200), ev("send", 2, 100, 200),
+              ev("credit_wait", 3, 200, 201), ev("write", 3, 201, 211),
+              ev("send", 3, 200, 211, nbytes=128),
+              ev("recv", 3, 0, 999), ev("data_wait", 3, 0, 998)]
+    got = measured.summarize(events, "send", last=2)
+    assert got["calls"] == 2 and got["bytes"] == 128
+    assert got["op"] == {"median_us": 55.5, "max_us": 100.0}
+    assert got["write"] == {"median_us": 30.0, "max_us": 50.0}  # 50 = 10 + 40
+    assert got["credit_wait"] == {"median_us": 25.5, "max_us": 50.0}
+    assert measured.summarize(events, "recv")["data_wait"]["max_us"] == 998.0
+    assert measured.summarize([], "send") is None
+    with pytest.raises(ValueError, match="what='everything'"):
+        measured.task_report("everything")

@@ -5,7 +5,7 @@ Each subcommand lives in its own module, which exposes one ``COMMAND``
 it); :func:`commands` imports them when the parser is built, and
 :func:`build_parser` adds them in one loop. None of them loads TensorFlow or
 the op library to build its parser (importing tf_rdma does not either):
-`launch`, `simulate` and `doctor` run without loading them, `doctor` reports
+`launch`, `simulate`, `doctor` and `timeline` run without loading them, `doctor` reports
 an op library that does not load, and `inspect` loads TensorFlow when it
 traces.
 
@@ -41,8 +41,10 @@ def commands():
     from tf_rdma.collectives.simulate import command as simulate_command
     from tf_rdma.doctor import command as doctor_command
     from tf_rdma.inspect import command as inspect_command
+    from tf_rdma import timeline
 
-    return [launch.COMMAND, inspect_command.COMMAND, simulate_command.COMMAND, doctor_command.COMMAND]
+    return [launch.COMMAND, inspect_command.COMMAND, simulate_command.COMMAND, doctor_command.COMMAND,
+            timeline.COMMAND]
 
 
 def build_parser():

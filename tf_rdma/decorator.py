@@ -35,6 +35,7 @@ import threading
 
 import tensorflow as tf
 
+from tf_rdma import measured as measured_lib
 from tf_rdma.doctor import transports
 from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import rewrite as passes
@@ -149,7 +150,7 @@ class RewrittenFunction:
     def plans(self):
         return [a.plan for a in self.analyses]
 
-    def explain(self, file=None, cluster=None):
+    def explain(self, file=None, cluster=None, measured=False, last=20):
         """Prints the plans, the kept edges and each task pair's transport.
 
         Args:
@@ -157,6 +158,10 @@ class RewrittenFunction:
           cluster: The cluster (dict job → addresses or a
             ``tf.train.ClusterSpec``), to predict the transport of pairs this
             process has not connected; default: TF_CONFIG's.
+          measured: Also show, for every planned transfer, what its last
+            traced calls took on the sending and on the receiving task
+            (asked of those tasks; see :mod:`tf_rdma.measured`).
+          last: With `measured`, how many of the newest calls per side.
 
         Returns:
           The printed text.
@@ -176,6 +181,10 @@ class RewrittenFunction:
             except ConfigError as err:
                 lines.append(f"  not predicted: {err}")
             text += "\n\n" + "\n".join(lines)
+            if measured:
+                transfers = [t for a in self.analyses for t in a.plan.transfers]
+                text += "\n\n" + "\n".join(
+                    measured_lib.measured_lines(transfers, last))
         print(text, file=file)
         return text
 

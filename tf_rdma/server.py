@@ -187,6 +187,9 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"poll_us={settings.poll_microseconds()}",
              f"stall_warning_ms={_stall_warning_ms()}"]
     lines += settings.verbs_config()
+    timeline = settings.timeline_dir()
+    if timeline:
+        lines.append(f"timeline={timeline}")
     lines += [f"peer={t} {a}" for t, a in sorted(addresses.items()) if t != task]
     with _endpoint_lock:
         if _endpoint is not None:

@@ -151,6 +151,13 @@ SETTINGS = (
     Setting("TF_RDMA_VERBS_LIBRARY", "",
             "path of the verbs plugin to load instead of the "
             "`_tf_rdma_verbs.so` next to the op library"),
+    Setting("TF_RDMA_TIMELINE", "",
+            "a directory: every process writes all its tf_rdma trace events "
+            "(sends, recvs, collectives and their phases) and its peers' "
+            "clock offsets to `<job>-<index>.<pid>.json` there, a Chrome "
+            "trace (Perfetto, chrome://tracing); `tf-rdma timeline merge` "
+            "puts the tasks' files on one clock, `tf-rdma timeline plot` "
+            "draws a Gantt chart (docs/observability.md); created if missing"),
 )
 
 
@@ -224,6 +231,33 @@ def verbs_config(env=None):
         if raw:
             lines.append(f"{v.key}={v.parse(v.name, raw)}")
     return lines
+
+
+def timeline_dir(value=None, env=None):
+    """Returns the timeline directory: `value`, else TF_RDMA_TIMELINE, else None.
+
+    The directory is created if missing and returned as an absolute path.
+
+    Raises:
+        ConfigError: The directory cannot be created or written to, or the
+            path holds a character the engine's config cannot carry.
+    """
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_TIMELINE", "")
+    if not raw:
+        return None
+    if "\n" in raw or "\0" in raw:
+        raise ConfigError(f"TF_RDMA_TIMELINE={raw!r} holds a newline or NUL")
+    path = os.path.abspath(os.path.expanduser(raw))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"TF_RDMA_TIMELINE={raw!r}: cannot create the "
+                          f"directory {path} ({e.strerror})") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"TF_RDMA_TIMELINE={raw!r}: the directory {path} "
+                          f"is not writable by this process")
+    return path
 
 
 def _number(variable, value, env, default, parse, valid, expected):

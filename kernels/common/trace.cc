@@ -3,6 +3,9 @@
 #include <time.h>
 
 #include <algorithm>
+#include <mutex>
+
+#include "kernels/common/recent.h"
 
 namespace tf_rdma {
 namespace trace {
@@ -12,6 +15,8 @@ namespace {
 // The built-in sink: its level never reaches kLevel, so nothing is ever
 // recorded through it.
 const std::atomic<int> g_never{-1};
+// The word On() reads while a tap is set: always on.
+const std::atomic<int> g_always{kLevel};
 
 int64_t RealtimeNs() {
   timespec ts;
@@ -25,6 +30,26 @@ void Drop(const Event&) {}
 // g_level that saw the sink's word on).
 std::atomic<int64_t (*)()> g_now{&RealtimeNs};
 std::atomic<void (*)(const Event&)> g_record{&Drop};
+// The tap (SetTap), or nullptr.
+std::atomic<void (*)(const Event&)> g_tap{nullptr};
+
+// Install and SetTap: the sink's own word, and which word On() reads.
+// (Never destroyed: the engine's exit handler stops the timeline, and
+// with it the tap, during static destruction.)
+std::mutex& InstallMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+const std::atomic<int>* g_sink_level = &g_never;
+
+// Publishes the word On() reads, with release: whoever sees it on sees the
+// clock, record function and tap stored before. Holds InstallMu().
+void PublishLevel() {
+  internal::g_level.store(
+      g_tap.load(std::memory_order_relaxed) != nullptr ? &g_always
+                                                        : g_sink_level,
+      std::memory_order_release);
+}
 
 }  // namespace
 
@@ -33,13 +58,20 @@ std::atomic<const std::atomic<int>*> g_level{&g_never};
 }  // namespace internal
 
 void Install(const Sink& sink) {
+  std::lock_guard<std::mutex> lock(InstallMu());
   g_now.store(sink.now_ns != nullptr ? sink.now_ns : &RealtimeNs,
               std::memory_order_relaxed);
   g_record.store(sink.record != nullptr ? sink.record : &Drop,
                  std::memory_order_relaxed);
+  g_sink_level = sink.level != nullptr ? sink.level : &g_never;
   // Last, with release: whoever sees the new word sees its clock and sink.
-  internal::g_level.store(sink.level != nullptr ? sink.level : &g_never,
-                          std::memory_order_release);
+  PublishLevel();
+}
+
+void SetTap(void (*tap)(const Event& event)) {
+  std::lock_guard<std::mutex> lock(InstallMu());
+  g_tap.store(tap, std::memory_order_relaxed);
+  PublishLevel();
 }
 
 void Uninstall() { Install(Sink{nullptr, nullptr, nullptr}); }
@@ -54,6 +86,8 @@ void Record(const Event& event) {
   if (event.start_ns == 0) return;
   internal::g_level.load(std::memory_order_acquire);
   g_record.load(std::memory_order_relaxed)(event);
+  if (auto tap = g_tap.load(std::memory_order_relaxed)) tap(event);
+  recent::Note(event);  // for explain(measured=True): recent.h
 }
 
 int64_t Span::EndTraced(const char* name, const std::string& key,

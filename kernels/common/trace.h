@@ -22,6 +22,13 @@
 // TraceMe recorder, so tf.profiler and TensorBoard show them); without one
 // the level word stays below kLevel forever and nothing is recorded.
 //
+// A second destination, the tap (SetTap), takes every event too: the
+// per-process timeline file of TF_RDMA_TIMELINE (kernels/common/timeline.h).
+// While a tap is set tracing is on whatever the sink's word says (On()
+// reads a word that always says on), and each event goes to the sink's
+// record function (which checks its own level, as TraceMe's does) and then
+// to the tap.
+//
 // Cost. Whether a transfer is traced is decided once, when it is claimed
 // (ClaimSend / ClaimRecv, or a collective's start): On() is a load of the
 // word's address, fixed after start-up, and one relaxed load of the word —
@@ -85,6 +92,11 @@ extern std::atomic<const std::atomic<int>*> g_level;
 void Install(const Sink& sink);
 // Back to the built-in sink that never records (tests).
 void Uninstall();
+// Sends every event to `tap` as well, and turns tracing on for good while
+// it is set (the timeline); nullptr: the sink's word decides again. The
+// tap must stay callable for the life of the process (an event that read
+// the old tap may still be calling it).
+void SetTap(void (*tap)(const Event& event));
 
 // Whether tracing is on now: the one check of an untraced transfer.
 inline bool On() {

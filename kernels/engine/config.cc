@@ -136,6 +136,8 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                std::to_string(kMaxDeadlineMs) + "] (0: off)");
       }
       c.stall_warning_ms = static_cast<int64_t>(v);
+    } else if (key == "timeline") {
+      c.timeline = value;
     } else if (key == "peer") {
       size_t sp = value.find(' ');
       if (sp == std::string::npos) {

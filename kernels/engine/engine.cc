@@ -20,6 +20,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/text.h"
+#include "kernels/common/timeline.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/engine/engine_internal.h"
 #include "kernels/transport/factory.h"
@@ -98,6 +99,7 @@ Status Engine::Start(const EngineConfig& config) {
   accept_thread_ = std::thread([this] { AcceptLoop(); });
   progress_thread_ = std::thread([this] { ProgressLoop(); });
   LogExpectedTransports();
+  StartTimeline();
   return Status::Ok();
 }
 
@@ -186,6 +188,8 @@ void Engine::LogExpectedTransports() {
 
 void Engine::Stop() {
   if (!started_.exchange(false)) return;
+  // First, while the connections still answer: the last clock offsets.
+  timeline::Stop();
   stopping_ = true;
   shutdown(listen_fd_, SHUT_RDWR);
   uint64_t one = 1;

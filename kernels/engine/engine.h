@@ -117,6 +117,9 @@ struct EngineConfig {
   int64_t stall_warning_ms = 10000;
   std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
   VerbsSettings verbs;            // verbs_* keys
+  // TF_RDMA_TIMELINE: the directory this process's timeline file goes to
+  // (kernels/common/timeline.h); empty: no timeline.
+  std::string timeline;
 
   // Parses "key=value" lines; "peer=<task> <host:port>" may repeat.
   static Status Parse(const std::string& text, EngineConfig* out);
@@ -473,6 +476,9 @@ class Engine {
   Status StartTransports(const EngineConfig& config, const std::string& host);
   // Logs, one line per peer, the transport its pair is expected to use.
   void LogExpectedTransports();
+  // Starts the timeline of config_.timeline, if set (timeline.cc); a file
+  // that cannot be created is logged, and the endpoint runs without it.
+  void StartTimeline();
 
   EngineConfig config_;
   std::string incarnation_;  // random per Start (see "Restarted peers")

@@ -57,10 +57,12 @@
 
 #include "kernels/engine/engine.h"
 #include "kernels/engine/stats.h"
+#include "kernels/common/recent.h"
 #include "kernels/common/region.h"
 #include "kernels/common/sha256.h"
 #include "kernels/common/status.h"
 #include "kernels/common/text.h"
+#include "kernels/common/timeline.h"
 #include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"
@@ -1656,6 +1658,133 @@ TEST(trace_records_only_while_the_level_is_on) {
   EXPECT_FALSE(trace::On());  // the built-in sink's word, not ours
   g_trace_word.store(-1);
   EXPECT_EQ(g_trace_events.size(), size_t{4});
+}
+
+TEST(recent_keeps_the_newest_traced_events_per_key) {
+  namespace trace = tf_rdma::trace;
+  namespace recent = tf_rdma::recent;
+  recent::Clear();
+  const std::string a = "a:0", b = "b#\"1", peer = "/job:worker/task:1";
+  trace::Event e;
+  e.name = trace::kSend;
+  e.peer = &peer;
+  e.bytes = 8;
+  e.key = &a;
+  for (uint64_t step = 1; step <= recent::kEventsPerKey + 5; ++step) {
+    e.step = step;
+    e.start_ns = static_cast<int64_t>(step) * 100;
+    e.end_ns = e.start_ns + 7;
+    trace::Record(e);  // through the trace layer, as the engine does
+  }
+  e.key = &b;
+  e.step = 9;
+  trace::Record(e);
+  e.start_ns = 0;  // untraced: neither recorded nor kept
+  trace::Record(e);
+  std::string json = recent::Json();
+  // Key a: steps 6..261 (the 5 oldest were dropped), oldest first.
+  EXPECT_TRUE(json.find("\"step\": 5,") == std::string::npos);
+  size_t first = json.find("\"step\": 6,");
+  size_t last = json.find("\"step\": " +
+                          std::to_string(recent::kEventsPerKey + 5) + ",");
+  EXPECT_TRUE(first != std::string::npos && last != std::string::npos &&
+              first < last);
+  EXPECT_TRUE(json.find("\"start_ns\": 600, \"end_ns\": 607}") !=
+              std::string::npos);
+  // Key b, escaped as a JSON string, holds its one traced event.
+  size_t at = json.find("\"b#\\\"1\": [{\"name\": \"tf_rdma.send\"");
+  EXPECT_TRUE(at != std::string::npos);
+  size_t step9 = 0;  // a's step 9 (kept) and b's one event
+  for (size_t p = json.find("\"step\": 9,"); p != std::string::npos;
+       p = json.find("\"step\": 9,", p + 1)) {
+    ++step9;
+  }
+  EXPECT_EQ(step9, size_t{2});
+  recent::Clear();
+  EXPECT_EQ(recent::Json().find("tf_rdma.send"), std::string::npos);
+}
+
+// The timeline (kernels/common/timeline.h): while it runs, tracing is on
+// whatever the sink's word says, every event goes to the sink and to the
+// file, and the file is a Chrome trace with the clock offsets measured.
+TEST(timeline_writes_every_event_and_the_clock_offsets) {
+  namespace trace = tf_rdma::trace;
+  namespace timeline = tf_rdma::timeline;
+  EXPECT_EQ(timeline::FileName("/job:worker/task:1", 42),
+            std::string("worker-1.42.json"));
+  EXPECT_EQ(timeline::FileName("/job:my job/task:0", 7),
+            std::string("my_job-0.7.json"));
+  char dir_template[] = "/tmp/tfrdma-timeline-XXXXXX";
+  ASSERT_TRUE(mkdtemp(dir_template) != nullptr);
+  const std::string dir = dir_template;
+  g_trace_events.clear();
+  g_trace_word.store(-1);  // the sink's own session is off
+  trace::Install(trace::Sink{&g_trace_word, &TraceClock, &CollectTraceEvent});
+  EXPECT_FALSE(trace::On());
+  std::atomic<int> measured{0};
+  timeline::Clocks clocks;
+  clocks.peers = [] {
+    return std::vector<std::string>{"/job:worker/task:1"};
+  };
+  clocks.measure = [&measured](const std::string& peer, int64_t,
+                               timeline::ClockOffset* out) {
+    ++measured;
+    out->peer = peer;
+    out->offset_ns = -1234;
+    out->rtt_ns = 5678;
+    return true;
+  };
+  std::string path;
+  ASSERT_OK(timeline::Start(dir, "/job:worker/task:0", clocks, &path));
+  EXPECT_EQ(path, dir + "/worker-0." + std::to_string(getpid()) + ".json");
+  EXPECT_TRUE(timeline::Running());
+  EXPECT_TRUE(trace::On());  // the tap turns tracing on
+  std::string again;
+  EXPECT_CODE(timeline::Start(dir, "/job:worker/task:0", clocks, &again),
+              kFailedPrecondition);
+  const std::string key = "a\"b", peer = "/job:worker/task:1";
+  trace::Span::At(trace::Claim()).End(trace::kWrite, key, 4096, peer, 3);
+  timeline::Stop();
+  EXPECT_FALSE(timeline::Running());
+  EXPECT_FALSE(trace::On());  // the sink's word decides again
+  EXPECT_EQ(g_trace_events.size(), size_t{1});  // the sink got it as well
+  EXPECT_GE(measured.load(), 1);                // at least at Stop
+
+  std::string text;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+    std::fclose(f);
+  }
+  ASSERT_TRUE(text.size() > 4);
+  EXPECT_EQ(text.substr(0, 2), std::string("[\n"));
+  EXPECT_EQ(text.substr(text.size() - 4), std::string("}\n]\n"));
+  EXPECT_CONTAINS(text, "\"name\":\"process_name\"");
+  EXPECT_CONTAINS(text, "\"args\":{\"name\":\"/job:worker/task:0\"}");
+  EXPECT_CONTAINS(text, "{\"ph\":\"X\",\"name\":\"tf_rdma.write\"");
+  EXPECT_CONTAINS(text, "\"dur\":0.010,\"args\":{\"key\":\"a\\\"b\",\"bytes\":4096,"
+                        "\"peer\":\"/job:worker/task:1\",\"step\":3}},\n");
+  EXPECT_CONTAINS(text, "\"peer\":\"/job:worker/task:1\",\"offset_ns\":-1234,"
+                        "\"rtt_ns\":5678,");
+  EXPECT_CONTAINS(text, "\"dropped_events\":0");
+
+  // A second start in this process takes the next free name.
+  std::string second;
+  ASSERT_OK(timeline::Start(dir, "/job:worker/task:0", clocks, &second));
+  EXPECT_EQ(second, dir + "/worker-0." + std::to_string(getpid()) + ".2.json");
+  timeline::Stop();
+  // Not a directory: an error that names the file.
+  std::string none;
+  tf_rdma::Status s = timeline::Start(dir + "/missing", "/job:worker/task:0",
+                                      clocks, &none);
+  EXPECT_FALSE(s.ok());
+  EXPECT_CONTAINS(s.message(), dir + "/missing/worker-0.");
+  EXPECT_FALSE(trace::On());
+  trace::Uninstall();
+  std::remove(path.c_str());
+  std::remove(second.c_str());
+  rmdir(dir.c_str());
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+// The engine's side of the timeline (kernels/common/timeline.h): starting
+// it with the endpoint, and measuring its peers' clocks for it.
+//
+// The timeline's writer thread asks for the offsets of the peers this
+// process is connected to (either direction) soon after each connects and
+// every few seconds after; Engine::ClockOffset answers with the sample of
+// smallest round trip among kTimelineSamples queries over the control
+// connection (query.cc). Cost: kTimelineSamples small frames each way per
+// peer and measurement, on the writer thread; nothing on the data path.
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kernels/common/timeline.h"
+#include "kernels/engine/engine.h"
+#include "kernels/engine/engine_internal.h"
+
+namespace tf_rdma {
+
+namespace {
+// Queries per measurement: the one with the smallest round trip is kept
+// (its error bound, rtt / 2, is the smallest).
+constexpr int kTimelineSamples = 8;
+}  // namespace
+
+void Engine::StartTimeline() {
+  if (config_.timeline.empty()) return;
+  timeline::Clocks clocks;
+  clocks.peers = [this] {
+    std::set<std::string> peers;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& conn : connections_) {
+      if (!conn->gone.load()) peers.insert(conn->peer);
+    }
+    for (const auto& dialed : dialed_) {
+      if (!dialed.second->gone.load()) peers.insert(dialed.first);
+    }
+    return std::vector<std::string>(peers.begin(), peers.end());
+  };
+  clocks.measure = [this](const std::string& peer, int64_t deadline_ms,
+                          timeline::ClockOffset* out) {
+    ClockSample sample;
+    if (!ClockOffset(peer, kTimelineSamples, Deadline(deadline_ms), &sample)
+             .ok()) {
+      return false;
+    }
+    out->peer = peer;
+    out->offset_ns = sample.offset_ns;
+    out->rtt_ns = sample.rtt_ns;
+    return true;
+  };
+  std::string path;
+  Status s = timeline::Start(config_.timeline, config_.task, clocks, &path);
+  if (s.ok()) {
+    Log("timeline: writing every transfer's trace events to " + path);
+  } else {
+    Log("timeline: not written: " + s.message());
+  }
+}
+
+}  // namespace tf_rdma

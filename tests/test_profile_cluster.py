@@ -1,0 +1,215 @@
+"""Profiling a rewritten function on the workers that run it.
+
+A rewritten function's sends and recvs run in the worker servers, not in
+the client, so the client's own ``tf.profiler.experimental.start`` does not
+see them. Every tf_rdma server is a TensorFlow gRPC server, which hosts
+TensorFlow's profiler service: ``tf.profiler.experimental.client.trace``
+(or TensorBoard's "Capture profile") records a worker while the client
+runs steps (docs/observability.md, "Profiling the workers").
+
+Two real `python -m tf_rdma.server` processes over shared memory; a client
+runs a rewritten step (worker:0 computes 4 KiB, worker:1 consumes it) in a
+loop and traces each worker in turn. The test reads each worker's XPlane:
+worker:0 holds the transfer's tf_rdma.send with its credit wait and write,
+worker:1 its tf_rdma.recv with the data wait and the release, under the
+key the plan gives the edge, with its bytes and the other worker as peer.
+Both are traced at once, so they share calls: a call carries one id on both
+sides (the rewrite matches calls). `fn.explain(measured=True)` then shows
+what the traced calls took on each worker (kernels/common/recent.h, asked
+with the TfRdmaReport op), and a worker's counters reach the client the same
+way. The client's results stay exact.
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import base_env, make_cluster, start_servers, stop_servers
+from test_profiler import inside, named, read_xplane_events
+
+pytestmark = pytest.mark.timeout(240)
+
+W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
+ELEMENTS = 1024  # float32: 4 KiB
+
+CLIENT = r"""
+import json, os, threading, time
+import numpy as np
+import tensorflow as tf
+import tf_rdma
+cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
+
+@tf.function
+def step(x):
+    with tf.device(W0):
+        y = x * 2.0
+    with tf.device(W1):
+        z = y + 1.0
+    return z
+
+fn = tf_rdma.rewrite(step, timeout=60)
+x = tf.range(ELEMENTS, dtype=tf.float32)
+want = np.arange(ELEMENTS, dtype=np.float32) * 2 + 1
+exact = [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(3)]
+untraced = fn.explain(file=open(os.devnull, "w"), measured=True)
+stop = threading.Event()
+
+def loop():
+    while not stop.is_set():
+        exact.append(bool(np.array_equal(fn(x).numpy(), want)))
+
+runner = threading.Thread(target=loop)
+runner.start()
+try:  # both workers at once: one .xplane.pb per worker
+    tf.profiler.experimental.client.trace(
+        ",".join("grpc://" + a for a in cluster["worker"]), LOGDIR, 1500)
+finally:
+    stop.set()
+    runner.join()
+from tf_rdma import measured
+explained = fn.explain(file=open(os.devnull, "w"), measured=True, last=10)
+key = fn.plan.transfers[0].key
+print("RESULT " + json.dumps({
+    "keys": [t.key for t in fn.plan.transfers], "calls": len(exact),
+    "exact": all(exact), "explained": explained, "untraced": untraced,
+    "send": measured.summarize(
+        measured.task_report("recent", W0)["keys"].get(key, []), "send", 10),
+    "recv": measured.summarize(
+        measured.task_report("recent", W1)["keys"].get(key, []), "recv", 10),
+    "stats": measured.task_report("stats", W1)}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    logdir = str(tmp_path_factory.mktemp("cluster-profile"))
+    cluster = make_cluster(2)
+    env = base_env({"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "60"})
+    servers = start_servers(cluster, env)
+    try:
+        client_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster}))
+        program = f"LOGDIR = {logdir!r}\nELEMENTS = {ELEMENTS}\n" + CLIENT
+        proc = subprocess.run([sys.executable, "-c", program], env=client_env,
+                              capture_output=True, text=True, timeout=180)
+    finally:
+        logs = stop_servers(servers)
+    results = [json.loads(line[len("RESULT "):])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (
+        f"client failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n"
+        + "\n".join(err[-1500:] for _, err in logs))
+    result = results[-1]
+    assert result["exact"], result
+    assert result["keys"], result
+    return (result,) + tuple(worker_events(logdir, address)
+                             for address in cluster["worker"])
+
+
+def worker_events(logdir, address):
+    """The events of the one worker at `address` (its file is named
+    host_port.xplane.pb), read with test_profiler's reader."""
+    host, port = address.rsplit(":", 1)
+    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*",
+                                   f"{host}_{port}.xplane.pb"))
+    assert len(paths) == 1, (address, os.listdir(logdir))
+    alone = os.path.join(logdir, port, "plugins", "profile", "run")
+    os.makedirs(alone)
+    shutil.copy(paths[0], alone)
+    return read_xplane_events(os.path.join(logdir, port))
+
+
+def test_the_sending_worker_traces_the_send_and_its_phases(traces):
+    result, sender, _ = traces
+    key = result["keys"][0]
+    sends = named(sender, "tf_rdma.send", key)
+    assert sends, sorted({e["name"] for e in sender if "tf_rdma" in e["name"]})
+    for e in sends:
+        assert e["stats"]["bytes"] == 4 * ELEMENTS and e["stats"]["peer"] == W1, e
+    for phase in ("tf_rdma.credit_wait", "tf_rdma.write"):
+        found = named(sender, phase, key)
+        assert found, phase
+        for e in found:
+            op = [s for s in sends if s["stats"]["step"] == e["stats"]["step"]]
+            assert op and inside(e, op[0]), (phase, e)
+    # The receiving side's events live in the other worker's trace only.
+    assert not named(sender, "tf_rdma.recv", key)
+
+
+def test_the_receiving_worker_traces_the_recv_and_its_phases(traces):
+    result, sender, receiver = traces
+    key = result["keys"][0]
+    recvs = named(receiver, "tf_rdma.recv", key)
+    assert recvs, sorted({e["name"] for e in receiver if "tf_rdma" in e["name"]})
+    for e in recvs:
+        assert e["stats"]["bytes"] == 4 * ELEMENTS and e["stats"]["peer"] == W0, e
+    for phase in ("tf_rdma.data_wait", "tf_rdma.release"):
+        assert named(receiver, phase, key), phase
+    for e in named(receiver, "tf_rdma.data_wait", key):
+        op = [r for r in recvs if r["stats"]["step"] == e["stats"]["step"]]
+        assert op and inside(e, op[0]), e
+    assert not named(receiver, "tf_rdma.send", key)
+
+
+def test_both_workers_name_a_call_by_one_id(traces):
+    """Traced at once, the workers share calls: the rewrite matches calls, so
+    a call's recv carries the id its send wrote. (Each worker's trace has
+    its own time origin, the start of its session: times are compared within
+    one trace only; `tf-rdma timeline merge` puts tasks on one clock.)"""
+    result, sender, receiver = traces
+    key = result["keys"][0]
+    writes = {e["stats"]["step"]: e for e in named(sender, "tf_rdma.write", key)}
+    waits = {e["stats"]["step"]: e for e in named(receiver, "tf_rdma.data_wait", key)}
+    shared = set(writes) & set(waits)
+    assert len(shared) >= max(1, min(len(writes), len(waits)) // 2), (
+        len(writes), len(waits), len(shared))
+
+
+def test_explain_shows_what_the_traced_calls_measured_on_each_worker(traces):
+    """fn.explain(measured=True) asks each worker for its last traced calls
+    (the TfRdmaReport op, placed on the worker): the send side from
+    worker:0, the recv side from worker:1, each with its phases; the
+    phases of a call lie within it."""
+    result, sender, receiver = traces
+    key = result["keys"][0]
+    text = result["explained"]
+    assert "measured (the last 10 traced calls" in text, text
+    assert f"  {key}  {W0} -> {W1}  4.0 KiB" in text, text
+    send, recv = result["send"], result["recv"]
+    assert send["calls"] == 10 and recv["calls"] == 10, (send, recv)
+    assert send["bytes"] == recv["bytes"] == 4 * ELEMENTS
+    assert set(send) >= {"op", "credit_wait", "write"}, send
+    assert set(recv) >= {"op", "data_wait", "release"}, recv
+    for side in (send, recv):
+        assert 0 < side["op"]["median_us"] <= side["op"]["max_us"], side
+    # A phase is part of its call: its median cannot exceed the call's max.
+    assert send["write"]["median_us"] <= send["op"]["max_us"], send
+    assert recv["data_wait"]["median_us"] <= recv["op"]["max_us"], recv
+    assert f"send {send['op']['median_us']:.0f} (max" in text, text
+    assert f"recv {recv['op']['median_us']:.0f} (max" in text, text
+
+
+def test_explain_says_when_nothing_was_traced(traces):
+    """Before any profile, the workers hold no events: explain says so per
+    side and says how to get them, instead of showing zeros."""
+    result, _, _ = traces
+    text = result["untraced"]
+    assert "    send: no traced call" in text and "    recv: no traced call" in text, text
+    assert "nothing traced yet" in text, text
+
+
+def test_a_workers_counters_reach_the_client(traces):
+    """task_report("stats", task) carries a worker's counters to the client:
+    worker:1 received 4 KiB per call the client made, from worker:0."""
+    result, _, _ = traces
+    stats = result["stats"]
+    assert stats["task"] == W1, stats
+    received = sum(int(p["bytes_received"]) for p in stats["peers"]
+                   if p["peer"] == W0)
+    assert received >= 4 * ELEMENTS * result["calls"], (received, result["calls"])
