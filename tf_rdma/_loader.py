@@ -138,6 +138,8 @@ def load():
         cdll.tfrdma_built_tf_version.restype = ctypes.c_char_p
         cdll.tfrdma_trace_bench.argtypes = [ctypes.c_int64]
         cdll.tfrdma_trace_bench.restype = ctypes.c_int64
+        cdll.tfrdma_stall_bench.argtypes = [ctypes.c_int64]
+        cdll.tfrdma_stall_bench.restype = ctypes.c_int64
         cdll.tfrdma_trace_events.argtypes = [ctypes.c_int]
         cdll.tfrdma_trace_events.restype = None
         compiled = cdll.tfrdma_built_tf_version().decode()

@@ -141,6 +141,12 @@ def verbs_status(env=None, host=None):
     return {"available": False, "device": None, "reason": text}
 
 
+def _stall_warning_ms():
+    """TF_RDMA_STALL_WARNING as the engine's whole milliseconds (0: off)."""
+    seconds = settings.stall_warning_seconds()
+    return 0 if seconds == 0 else max(1, round(seconds * 1000))
+
+
 def start_endpoint(task, cluster=None, secret=None, transport=None,
                    timeout=None, listen=None):
     """Starts this process's tf_rdma endpoint.
@@ -178,7 +184,8 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"secret={settings.secret(secret)}",
              f"transport={settings.transport(transport)}",
              f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}",
-             f"poll_us={settings.poll_microseconds()}"]
+             f"poll_us={settings.poll_microseconds()}",
+             f"stall_warning_ms={_stall_warning_ms()}"]
     lines += settings.verbs_config()
     timeline = settings.timeline_dir()
     if timeline:

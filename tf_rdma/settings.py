@@ -20,6 +20,8 @@ DEFAULT_TIMEOUT_S = 60.0
 #: The longest wait bound tf_rdma takes (a week), for the setting and the ops.
 MAX_TIMEOUT_S = 7 * 24 * 3600
 DEFAULT_POLL_US = 50
+#: Seconds a wait lasts before the stall inspector logs it (0: off).
+DEFAULT_STALL_WARNING_S = 10.0
 # tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
 # graph passes; tests/test_settings.py checks the two agree).
 DEFAULT_PORT_OFFSET = 1000
@@ -128,6 +130,12 @@ SETTINGS = (
     Setting("TF_RDMA_TIMEOUT", f"{DEFAULT_TIMEOUT_S:g}",
             "seconds any op (transfer or collective) waits for a peer before "
             "it fails, in (0, 604800]"),
+    Setting("TF_RDMA_STALL_WARNING", f"{DEFAULT_STALL_WARNING_S:g}",
+            "seconds a wait (data, credit, collective block) lasts before "
+            "the stall inspector logs one line naming the tensor or "
+            "collective, the step, the peer and the peer's own position "
+            "(repeated at 2x, 4x, ...); `0` turns it off; in [0, 604800] "
+            "(docs/observability.md)"),
     Setting("TF_RDMA_POLL_US", str(DEFAULT_POLL_US),
             "µs a recv polls for its data on TensorFlow's thread before "
             "handing the wait to the engine, in [0, 10000]; a send that just "
@@ -272,6 +280,18 @@ def timeout_seconds(value=None, env=None):
     return _number("TF_RDMA_TIMEOUT", value, env, DEFAULT_TIMEOUT_S, float,
                    lambda s: 0 < s <= MAX_TIMEOUT_S,
                    "a number of seconds in (0, 604800]")
+
+
+def stall_warning_seconds(value=None, env=None):
+    """Returns the stall warning in seconds: `value`, else TF_RDMA_STALL_WARNING, else 10.
+
+    0 turns the stall inspector off; fractions of a second are allowed (the
+    engine takes whole milliseconds, at least 1 for a positive value).
+    """
+    return _number("TF_RDMA_STALL_WARNING", value, env,
+                   DEFAULT_STALL_WARNING_S, float,
+                   lambda s: 0 <= s <= MAX_TIMEOUT_S,
+                   "a number of seconds in [0, 604800] (0: off)")
 
 
 def poll_microseconds(value=None, env=None):

@@ -134,6 +134,12 @@ int64_t tfrdma_trace_bench(int64_t n) {
   return cpu_ns() - start;
 }
 
+// The stall inspector's registration of a wait and its end, n times:
+// thread CPU nanoseconds (Engine::StallBench).
+int64_t tfrdma_stall_bench(int64_t n) {
+  return tf_rdma::Engine::Get()->StallBench(n);
+}
+
 // HMAC-SHA256, exposed so that tests can check the handshake's primitive
 // against Python's hmac module.
 void tfrdma_hmac_sha256(const void* key, int key_len, const void* msg,

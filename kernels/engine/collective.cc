@@ -731,7 +731,13 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
   }
   uint64_t call = ++state->calls;
   int64_t traced_since = trace::Claim();
+  // Its blocks' waits name this call (the stall inspector, stall.cc).
+  engine->CollectiveBegin(spec.instance,
+                          std::string(KindName(spec.kind)) + " '" +
+                              spec.instance + "'",
+                          call);
   Status s = Runner(spec, hash, src, buf, reduce).Run();
+  engine->CollectiveEnd(spec.instance, s.ok());
   if (!s.ok()) state->poisoned = s.message();
   if (traced_since != 0) {
     std::string group;

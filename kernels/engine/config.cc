@@ -128,6 +128,14 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                "' is not an integer in [0, 10000]");
       }
       c.poll_us = static_cast<int64_t>(v);
+    } else if (key == "stall_warning_ms") {
+      uint64_t v;
+      if (!ParseUint(value, &v) || v > static_cast<uint64_t>(kMaxDeadlineMs)) {
+        return InvalidArgument("stall_warning_ms '" + value +
+                               "' is not an integer in [0, " +
+                               std::to_string(kMaxDeadlineMs) + "] (0: off)");
+      }
+      c.stall_warning_ms = static_cast<int64_t>(v);
     } else if (key == "timeline") {
       c.timeline = value;
     } else if (key == "peer") {

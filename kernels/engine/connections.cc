@@ -157,6 +157,9 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
         if (conn->outstanding.count(h.a)) {
           conn->replies[h.a] = {h, body};
           conn->cv.notify_all();
+        } else if (conn->abandoned.erase(h.a)) {
+          // Late: its asker gave up (a stopped or slow peer answers when
+          // it runs again). Dropped.
         } else {
           s = InvalidArgument(
               std::string(h.type == kOpenReply ? "OPEN" : "QUERY") +
@@ -352,6 +355,12 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
                          conn->dead_reason + ")");
     }
     if (deadline.Expired()) {
+      // The reply may still come (a stopped or slow peer answers when it
+      // runs again): the reader drops it then.
+      conn->abandoned.insert(id);
+      if (conn->abandoned.size() > kMaxAbandonedRequests) {
+        conn->abandoned.erase(conn->abandoned.begin());
+      }
       return DeadlineExceeded("no answer from " + conn->peer + " after " +
                               std::to_string(deadline.timeout_ms()) + " ms");
     }

@@ -28,6 +28,7 @@
 // OPEN requests), send.cc, match.cc (matching calls), recv.cc, poller.cc
 // (waiting for a recv without a thread per wait), thread_pool.{h,cc}
 // (blocking-work threads) and stats.{h,cc} (the transfer counters);
+// stall.cc (the stall inspector: waits that last, the peer's position);
 // engine_internal.h holds the state they share.
 #ifndef TF_RDMA_ENGINE_ENGINE_H_
 #define TF_RDMA_ENGINE_ENGINE_H_
@@ -111,6 +112,9 @@ struct EngineConfig {
   std::string transport = "auto";
   int64_t timeout_ms = 60000;     // default bound of every wait
   int64_t poll_us = 50;           // recv polls this long before handing off
+  // A wait longer than this is logged by the stall inspector (stall.cc);
+  // 0: off.
+  int64_t stall_warning_ms = 10000;
   std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
   VerbsSettings verbs;            // verbs_* keys
   // TF_RDMA_TIMELINE: the directory this process's timeline file goes to
@@ -152,6 +156,7 @@ struct SlotSpec {
 };
 
 struct Connection;
+struct StallWait;
 struct LocalRegion;
 struct SendSlot;
 struct RecvSlot;
@@ -302,6 +307,19 @@ class Engine {
   // Runs `fn` on an engine thread that may block (in bounded waits).
   void Schedule(std::function<void()> fn);
 
+  // A collective's call on this thread (RunCollective), from Begin to End:
+  // the waits of its blocks name it (stall.cc), and a peer that asks for
+  // this task's position in it (what=position) learns the calls of
+  // `instance` completed and whether one runs now. `describe` is the
+  // collective as the stall lines name it, "allreduce 'grads'".
+  void CollectiveBegin(const std::string& instance,
+                       const std::string& describe, uint64_t call);
+  void CollectiveEnd(const std::string& instance, bool ok);
+  // Thread CPU nanoseconds of `n` registrations of a wait with the stall
+  // inspector and their ends (what a wait that sleeps pays): the cost
+  // measured by tests/test_stall.py (tfrdma_stall_bench).
+  int64_t StallBench(int64_t n);
+
   void Log(const std::string& line);
   // Log for lines a peer can cause (rejections): at most a few per
   // interval, then one summary line (handshake.cc).
@@ -348,6 +366,32 @@ class Engine {
   // Answers a QUERY frame (query.cc), on the connection's reader thread.
   void HandleQuery(const std::shared_ptr<Connection>& conn,
                    uint64_t request_id, const std::string& body);
+
+  // The stall inspector (stall.cc).
+  //
+  // A wait that begins to sleep: registered until EndStall (which the
+  // returned object's owner calls once, however the wait ends).
+  std::shared_ptr<StallWait> BeginStall(int kind, RecvSlot* recv,
+                                        SendSlot* send, uint64_t step,
+                                        uint64_t need);
+  void EndStall(const std::shared_ptr<StallWait>& wait);
+  void WatchdogLoop();
+  void ReportStall(const std::shared_ptr<StallWait>& wait);
+  // "recv of tensor 'x' step 7 waits 1.2 s for its data from <peer>".
+  std::string StallSubject(const StallWait& wait, Clock::time_point now);
+  // ", which <the peer's position>" asked within `deadline`, or, if the
+  // peer does not answer, what this side knows; *answered says which.
+  std::string PeerPosition(const StallWait& wait, const Deadline& deadline,
+                           bool* answered);
+  // What this side knows of the peer's progress on the wait's slot.
+  std::string LocalFacts(const StallWait& wait);
+  // For a timeout's message: "; <peer> <position>", freshly asked (within
+  // 250 ms) or, if the peer does not answer, as last learnt, with local
+  // facts.
+  std::string StallFacts(const std::shared_ptr<StallWait>& wait);
+  // Answers what=position (query.cc).
+  void AnswerPosition(const std::map<std::string, std::string>& fields,
+                      std::map<std::string, std::string>* reply);
   Status SendFrame(const std::shared_ptr<Connection>& conn,
                    const FrameHeader& h, const std::string& body,
                    const Deadline& deadline);
@@ -382,18 +426,24 @@ class Engine {
                      const std::shared_ptr<Connection>& conn,
                      const Deadline& deadline, const std::string& what);
   bool MatchRecv(RecvTicket* ticket, bool take);
-  Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline);
+  Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
+                      const std::shared_ptr<StallWait>& stall);
   void Abandon(const RecvTicket& ticket);
   Status WriteDynamicPayload(const SendTicket& ticket,
                              const SendBinding& binding, const void* data,
                              DynamicMeta* meta, const Deadline& deadline);
   bool PollRecvFor(RecvTicket* ticket);  // PollRecv's loop
-  Status RecvStep(RecvTicket* ticket, const Deadline& deadline);
+  // `stall`: the wait's registration (stall.cc), for the timeout's message.
+  Status RecvStep(RecvTicket* ticket, const Deadline& deadline,
+                  const std::shared_ptr<StallWait>& stall);
   // Why a recv that is still waiting must fail now (plan refusal, peer
   // gone), or ok; `what` prefixes the message.
   Status RecvCheck(RecvSlot* slot, const std::string& what);
+  // With the peer's position (StallFacts) when `stall` is set: may ask the
+  // peer, for up to 250 ms.
   Status RecvTimedOut(RecvSlot* slot, const std::string& what,
-                      const Status& timeout);
+                      const Status& timeout,
+                      const std::shared_ptr<StallWait>& stall);
   void GiveBackRecv(RecvTicket* ticket, const Status& why);
   // Counts a recv that ends (ok: its bytes and one receive) and the data
   // wait it had, if any (stats.h). Called once per recv, where it completes.
@@ -495,6 +545,20 @@ class Engine {
 
   // The transfer counters (stats.h).
   TransferStats stats_;
+
+  // The stall inspector (stall.cc): the waits sleeping now, the watchdog
+  // that reports the long ones, and each collective instance's calls.
+  struct CollectivePosition {
+    uint64_t completed = 0;  // calls finished (ok or not)
+    uint64_t running = 0;    // the call in progress; 0: none
+    bool failed = false;     // the last call failed
+  };
+  std::mutex stall_mu_;  // guards the fields below
+  std::vector<std::shared_ptr<StallWait>> stalls_;
+  std::condition_variable stall_cv_;  // the watchdog, asleep while none wait
+  bool watchdog_asleep_ = false;
+  std::once_flag watchdog_once_;
+  std::map<std::string, CollectivePosition> collectives_;
 };
 
 }  // namespace tf_rdma

@@ -53,6 +53,10 @@ struct Connection {
   std::string dead_reason;
   uint64_t next_request = 1;
   std::set<uint64_t> outstanding;  // requests waiting for their reply
+  // Requests whose asker stopped waiting (its deadline passed): a late
+  // reply to one is dropped, not taken as a protocol error (the newest
+  // kMaxAbandonedRequests).
+  std::set<uint64_t> abandoned;
   std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
   std::set<uint32_t> peer_writable;  // our region ids this peer may write
 
@@ -151,7 +155,36 @@ struct RecvSlot {
   LocalRegion* region = nullptr;  // set at the first claim
 };
 
+// A wait the stall inspector watches (stall.cc): registered when an op
+// begins to sleep for its data or its credit, until the wait ends.
+struct StallWait {
+  static constexpr int kData = 0;    // a recv waiting for the sender's notice
+  static constexpr int kCredit = 1;  // a send waiting for a copy's credit
+  int kind = kData;
+  const SlotSpec* spec = nullptr;  // the slot's (slots live as long as the engine)
+  RecvSlot* recv = nullptr;        // kData
+  SendSlot* send = nullptr;        // kCredit
+  // The slot's step, or with match_calls the call's id (as Describe).
+  uint64_t step = 0;
+  uint64_t need = 0;  // kCredit, in order: the step the reader must release
+  // Inside a collective: "allreduce 'grads'", its instance and this call
+  // (the step of the stall line); `step` is then the block's number on its
+  // channel. Empty: a send or recv op's transfer.
+  std::string collective;
+  std::string instance;
+  uint64_t collective_step = 0;
+  Clock::time_point since;
+  // Under Engine::stall_mu_.
+  Clock::time_point next_report{};
+  bool asking = false;     // a report is asking the peer now
+  std::string learnt;      // "which ..." as the peer last answered
+  Clock::time_point learnt_at{};
+};
+
 constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
+// Requests given up on whose late replies a connection still drops
+// (Connection::abandoned).
+constexpr size_t kMaxAbandonedRequests = 256;
 // Regions one writer task's OPENs may create, over all its connections: each
 // holds a file descriptor, so at most a quarter of the process's descriptors,
 // and at most this many.

@@ -60,6 +60,12 @@ Status Engine::AcquireCopy(SendTicket* ticket,
   const SlotSpec& spec = slot->spec;
   std::vector<WordWatch> watch;
   Clock::time_point next_check = Clock::now();
+  std::shared_ptr<StallWait> stall;  // registered once no copy is free
+  struct EndStallAtExit {
+    Engine* engine;
+    std::shared_ptr<StallWait>* stall;
+    ~EndStallAtExit() { engine->EndStall(*stall); }
+  } end_stall{this, &stall};
   while (true) {
     bool writing = false;  // a copy is busy: it frees without a notice
     watch.clear();
@@ -82,13 +88,16 @@ Status Engine::AcquireCopy(SendTicket* ticket,
     }
     // No copy is free: a credit wait (counted by SendStep, stats.h).
     TransferStats::StartWait(&ticket->waiting_since, &stats_.credit_busy);
+    if (!stall) {
+      stall = BeginStall(StallWait::kCredit, nullptr, slot, ticket->call, 0);
+    }
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
       return DeadlineExceeded(
           what + ": timed out after " + std::to_string(deadline.timeout_ms()) +
           " ms waiting for the receiver to release one of the slot's " +
           std::to_string(spec.depth) + " copies (the calls in flight hold " +
-          "them)");
+          "them)" + StallFacts(stall));
     }
     if (now >= next_check) {
       TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(conn, what));
@@ -163,7 +172,8 @@ bool Engine::MatchRecv(RecvTicket* ticket, bool take) {
   return found;
 }
 
-Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline) {
+Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
+                            const std::shared_ptr<StallWait>& stall) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   Region* memory = slot->region->memory.get();
@@ -184,7 +194,8 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline) {
       return RecvTimedOut(slot, what,
                           DeadlineExceeded("timed out after " +
                                            std::to_string(deadline.timeout_ms()) +
-                                           " ms"));
+                                           " ms"),
+                          stall);
     }
     if (now >= next_check) {
       TF_RDMA_RETURN_IF_ERROR(RecvCheck(slot, what));

@@ -71,6 +71,10 @@ struct Engine::PendingRecv {
   std::vector<const std::atomic<uint64_t>*> words;
   Clock::time_point next_check;       // poller thread only
   bool handed_off = false;            // poller thread only
+  bool timing_out = false;            // poller thread only
+  // The wait's registration with the stall inspector (stall.cc), ended by
+  // whoever completes the wait.
+  std::shared_ptr<StallWait> stall;
   std::atomic<bool> taken{false};     // whoever sets it completes the wait
 
   bool Landed() {
@@ -92,6 +96,8 @@ void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
   TransferStats::StartWait(&p->ticket.waiting_since, &stats_.data_busy);
   p->done = std::move(done);
   p->deadline = Deadline(ticket.timeout_ms);
+  p->stall = BeginStall(StallWait::kData, ticket.slot, nullptr,
+                        TraceStep(spec, ticket.step, ticket.call), 0);
   if (spec.match_calls) {
     for (int64_t c = 0; c < spec.depth; ++c) {
       p->words.push_back(memory->Word(CopyOffset(spec, c)));
@@ -135,6 +141,7 @@ bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
     if (it != waiting_.end()) waiting_.erase(it);
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
+  EndStall(p->stall);
   if (s.ok()) {
     TraceDataWait(ticket);
   } else {
@@ -215,6 +222,7 @@ void Engine::PollerLoop() {
         TakePending(p, Status::Ok());
         continue;
       }
+      if (p->timing_out) continue;  // an engine thread completes it
       bool expired = now >= p->deadline.at();
       if (now >= p->next_check || expired) {
         RecvSlot* slot = p->ticket.slot;
@@ -222,14 +230,27 @@ void Engine::PollerLoop() {
             "tf_rdma recv of " + slot->spec.Describe(p->ticket.step);
         Status s = RecvCheck(slot, what);
         if (s.ok() && expired) {
-          s = p->Landed() ? Status::Ok()
-                          : RecvTimedOut(slot, what,
-                                         DeadlineExceeded(
-                                             "timed out after " +
-                                             std::to_string(
-                                                 p->deadline.timeout_ms()) +
-                                             " ms"));
-          TakePending(p, s);
+          if (p->Landed()) {
+            TakePending(p, Status::Ok());
+            continue;
+          }
+          // The timeout's message asks the peer for its position (up to
+          // 250 ms, stall.cc): on an engine thread, not on this one, which
+          // serves every other wait.
+          p->timing_out = true;
+          p->handed_off = true;
+          Schedule([this, p, slot, what] {
+            Status s = p->Landed()
+                           ? Status::Ok()
+                           : RecvTimedOut(slot, what,
+                                          DeadlineExceeded(
+                                              "timed out after " +
+                                              std::to_string(
+                                                  p->deadline.timeout_ms()) +
+                                              " ms"),
+                                          p->stall);
+            TakePending(p, s);
+          });
           continue;
         }
         if (!s.ok()) {
@@ -258,7 +279,7 @@ void Engine::PollerLoop() {
           // by a sibling recv of the same call between the wait and here).
           do {
             RecvTicket ticket = p->ticket;
-            Status s = RecvStep(&ticket, p->deadline);
+            Status s = RecvStep(&ticket, p->deadline, p->stall);
             if (!s.ok() && p->Landed()) s = Status::Ok();
             if (TakePending(p, s)) break;
           } while (!p->taken.load(std::memory_order_acquire));

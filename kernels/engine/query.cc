@@ -9,6 +9,10 @@
 //                `sent_ns` just before the reply left. ClockOffset turns
 //                four such timestamps into the offset of the peer's clock,
 //                as NTP does.
+//   what=position  the peer's position on a slot or collective that the
+//                asker waits on (`slot`, `side`, `collective`): the last
+//                step it wrote or took there, whether it waits on it, and
+//                the waits it is sleeping in itself (stall.cc).
 //
 // Why on the control connection. Every pair of tasks that exchanges data
 // has one already, authenticated and with a reader thread per end that
@@ -65,6 +69,8 @@ void Engine::HandleQuery(const std::shared_ptr<Connection>& conn,
   const std::string& what = fields["what"];
   if (what == "clock") {
     reply["received_ns"] = std::to_string(received_ns);
+  } else if (what == "position") {
+    AnswerPosition(fields, &reply);
   } else {
     // A peer running a newer tf_rdma may ask what this one cannot answer:
     // an error reply, and the connection goes on.

@@ -107,16 +107,25 @@ bool Engine::PollRecvFor(RecvTicket* ticket) {
 
 Status Engine::FinishRecv(RecvTicket* ticket) {
   Deadline deadline(ticket->timeout_ms);
+  std::shared_ptr<StallWait> stall;
   while (!TryRecvNow(ticket)) {
     TransferStats::StartWait(&ticket->waiting_since, &stats_.data_busy);
-    Status s = RecvStep(ticket, deadline);
+    if (!stall) {
+      stall = BeginStall(StallWait::kData, ticket->slot, nullptr,
+                         TraceStep(ticket->slot->spec, ticket->step,
+                                   ticket->call),
+                         0);
+    }
+    Status s = RecvStep(ticket, deadline, stall);
     if (!s.ok()) {
+      EndStall(stall);
       GiveBackRecv(ticket, s);
       CountRecv(ticket, false);
       return s;
     }
     if (!ticket->slot->spec.match_calls) break;
   }
+  EndStall(stall);
   CountRecv(ticket, true);
   TraceDataWait(*ticket);
   return Status::Ok();
@@ -165,17 +174,23 @@ Status Engine::RecvCheck(RecvSlot* slot, const std::string& what) {
 }
 
 Status Engine::RecvTimedOut(RecvSlot* slot, const std::string& what,
-                            const Status& timeout) {
-  std::lock_guard<std::mutex> lock(mu_);
+                            const Status& timeout,
+                            const std::shared_ptr<StallWait>& stall) {
+  bool connected;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    connected = slot->region->writer != nullptr;
+  }
   return DeadlineExceeded(
       what + ": " + timeout.message() + " waiting for the data" +
-      (slot->region->writer ? "" : " (the peer never connected)"));
+      (connected ? "" : " (the peer never connected)") + StallFacts(stall));
 }
 
-Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline) {
+Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
+                        const std::shared_ptr<StallWait>& stall) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
-  if (spec.match_calls) return WaitForMatch(ticket, deadline);
+  if (spec.match_calls) return WaitForMatch(ticket, deadline, stall);
   std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
   uint64_t copy = CopyOffset(spec, ticket->copy);
   Region* memory = slot->region->memory.get();
@@ -183,7 +198,7 @@ Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline) {
                          [&] { return RecvCheck(slot, what); });
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
-      return RecvTimedOut(slot, what, s);
+      return RecvTimedOut(slot, what, s, stall);
     }
     return s;
   }

@@ -393,22 +393,27 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
                           ticket.call, deadline);
   } else {
     std::atomic<uint64_t>* credit = CreditWord(slot->credits, spec, ticket.copy);
-    if (credit->load(std::memory_order_acquire) <
-        CreditNeeded(spec, ticket.step)) {
+    const uint64_t need = CreditNeeded(spec, ticket.step);
+    std::shared_ptr<StallWait> stall;
+    if (credit->load(std::memory_order_acquire) < need) {
       TransferStats::StartWait(&ticket.waiting_since, &stats_.credit_busy);
+      stall = BeginStall(StallWait::kCredit, nullptr, slot, ticket.step, need);
     }
-    s = WaitForWord(credit, CreditNeeded(spec, ticket.step), deadline,
+    s = WaitForWord(credit, need, deadline,
                     [&] { return CheckPeerAlive(conn, what); });
+    EndStall(stall);
+    if (s.code() == Code::kDeadlineExceeded) {
+      s = DeadlineExceeded(s.message() + " waiting for the receiver to "
+                           "release the slot it used at step " +
+                           std::to_string(need) + StallFacts(stall));
+    }
     credit_wait.End();
     write_from = credit_trace.End(trace::kCreditWait, spec.tensor_name, nbytes,
                                   spec.peer, trace_step);
   }
   if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
-      return DeadlineExceeded(
-          what + ": " + s.message() + " waiting for the receiver to release "
-          "the slot it used at step " +
-          std::to_string(CreditNeeded(spec, ticket.step)));
+      return DeadlineExceeded(what + ": " + s.message());
     }
     return s;
   }

@@ -1149,6 +1149,7 @@ TEST(config_parse_valid) {
   EXPECT_EQ(d.transport, std::string("auto"));
   EXPECT_EQ(d.timeout_ms, int64_t{60000});
   EXPECT_EQ(d.poll_us, int64_t{50});
+  EXPECT_EQ(d.stall_warning_ms, int64_t{10000});
   EXPECT_TRUE(d.peers.empty());
   // A secret may contain '=' (only the first one splits).
   ASSERT_OK(tf_rdma::EngineConfig::Parse(
@@ -1212,6 +1213,11 @@ TEST(config_parse_numbers) {
       {"poll_us=10001", false},
       {"poll_us=-1", false},
       {"poll_us=5.5", false},
+      {"stall_warning_ms=0", true},
+      {"stall_warning_ms=250", true},
+      {"stall_warning_ms=-1", false},
+      {"stall_warning_ms=1.5", false},
+      {"stall_warning_ms=ten", false},
       {"verbs_port=-1", true},
       {"verbs_mtu=4096", true},
       {"verbs_inline=1073741824", true},      // 2^30: the largest accepted
