@@ -180,7 +180,7 @@ def test_explain_shows_what_the_traced_calls_measured_on_each_worker(traces):
     key = result["keys"][0]
     text = result["explained"]
     assert "measured (the last 10 traced calls" in text, text
-    assert f"  {key}  {W0} -> {W1}  4.0 KiB" in text, text
+    assert f"  {key}  {W0} -> {W1}  4096 bytes" in text, text
     send, recv = result["send"], result["recv"]
     assert send["calls"] == 10 and recv["calls"] == 10, (send, recv)
     assert send["bytes"] == recv["bytes"] == 4 * ELEMENTS

@@ -158,8 +158,21 @@ class RawPeer:
 
     def read_reply(self, request, type_=OPEN_REPLY):
         """Reads one OPEN_REPLY (or QUERY_REPLY); returns (status code, fields
-        or error text)."""
-        magic, type_got, _, a, b, c, _, _ = HEADER.unpack(self.read_exact(HEADER.size))
+        or error text).
+
+        The endpoint may ask this client questions meanwhile (QUERY frames:
+        the stall inspector asks a writer it waits for where it is); each
+        is refused with an error reply, as a peer that knows no questions
+        would, and reading goes on.
+        """
+        while True:
+            magic, type_got, _, a, b, c, _, _ = HEADER.unpack(
+                self.read_exact(HEADER.size))
+            if (magic, type_got) != (MAGIC, QUERY):
+                break
+            self.read_exact(b)
+            why = b"this raw test client answers no questions"
+            self.sock.sendall(header(QUERY_REPLY, a=a, b=len(why), c=1) + why)
         assert (magic, type_got, a) == (MAGIC, type_, request), (magic, type_got, a)
         body = self.read_exact(b).decode(errors="replace")
         return (c, body) if c != 0 else (c, decode_fields(body))

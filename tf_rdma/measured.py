@@ -22,7 +22,6 @@ import statistics
 import tensorflow as tf
 
 from tf_rdma import _loader
-from tf_rdma.inspect.tables import human_bytes
 
 __all__ = ["task_report", "summarize", "measured_lines"]
 
@@ -125,7 +124,7 @@ def measured_lines(transfers, last=20, report=task_report):
              f"and each phase's median):"]
     seen = False
     for t in transfers:
-        lines.append(f"  {t.key}  {t.src} -> {t.dst}  {human_bytes(t.nbytes)}")
+        lines.append(f"  {t.key}  {t.src} -> {t.dst}  {t.nbytes} bytes")
         for side, task in (("send", t.src), ("recv", t.dst)):
             keys = reports[task]
             if isinstance(keys, str):
