@@ -125,36 +125,32 @@ def worker_events(logdir, address):
     return read_xplane_events(os.path.join(logdir, port), prefix="tf_rdma.")
 
 
-def test_the_sending_worker_traces_the_send_and_its_phases(traces):
-    result, sender, _ = traces
+# Per side: the worker's trace (its index in `traces`), its peer, the phases
+# inside the op, the phases after it (a recv's release comes when the tensor
+# is dropped), and the other side's op, which must not be in this trace.
+SIDES = {
+    "send": (1, W1, ("tf_rdma.credit_wait", "tf_rdma.write"), (), "tf_rdma.recv"),
+    "recv": (2, W0, ("tf_rdma.data_wait",), ("tf_rdma.release",), "tf_rdma.send"),
+}
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_each_worker_traces_its_side_of_the_transfer_and_its_phases(traces, side):
+    index, peer, inner, after, other = SIDES[side]
+    result, events = traces[0], traces[index]
     key = result["keys"][0]
-    sends = named(sender, "tf_rdma.send", key)
-    assert sends, sorted({e["name"] for e in sender if "tf_rdma" in e["name"]})
-    for e in sends:
-        assert e["stats"]["bytes"] == 4 * ELEMENTS and e["stats"]["peer"] == W1, e
-    for phase in ("tf_rdma.credit_wait", "tf_rdma.write"):
-        found = named(sender, phase, key)
-        assert found, phase
-        for e in found:
-            op = [s for s in sends if s["stats"]["step"] == e["stats"]["step"]]
+    ops = named(events, "tf_rdma." + side, key)
+    assert ops, sorted({e["name"] for e in events})
+    for e in ops:
+        assert e["stats"]["bytes"] == 4 * ELEMENTS and e["stats"]["peer"] == peer, e
+    for phase in inner + after:
+        assert named(events, phase, key), phase
+    for phase in inner:
+        for e in named(events, phase, key):
+            op = [o for o in ops if o["stats"]["step"] == e["stats"]["step"]]
             assert op and inside(e, op[0]), (phase, e)
-    # The receiving side's events live in the other worker's trace only.
-    assert not named(sender, "tf_rdma.recv", key)
-
-
-def test_the_receiving_worker_traces_the_recv_and_its_phases(traces):
-    result, sender, receiver = traces
-    key = result["keys"][0]
-    recvs = named(receiver, "tf_rdma.recv", key)
-    assert recvs, sorted({e["name"] for e in receiver if "tf_rdma" in e["name"]})
-    for e in recvs:
-        assert e["stats"]["bytes"] == 4 * ELEMENTS and e["stats"]["peer"] == W0, e
-    for phase in ("tf_rdma.data_wait", "tf_rdma.release"):
-        assert named(receiver, phase, key), phase
-    for e in named(receiver, "tf_rdma.data_wait", key):
-        op = [r for r in recvs if r["stats"]["step"] == e["stats"]["step"]]
-        assert op and inside(e, op[0]), e
-    assert not named(receiver, "tf_rdma.send", key)
+    # The other side's events live in the other worker's trace only.
+    assert not named(events, other, key)
 
 
 def test_both_workers_name_a_call_by_one_id(traces):

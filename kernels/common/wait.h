@@ -17,6 +17,8 @@
 #ifndef TF_RDMA_COMMON_WAIT_H_
 #define TF_RDMA_COMMON_WAIT_H_
 
+#include <time.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -80,6 +82,15 @@ bool WaitForAnyWord(const WordWatch* words, int n, Clock::time_point until);
 // Wakes every sleeper on a word of this process's own memory (shared =
 // false in WordWatch).
 void WakeLocalWord(std::atomic<uint32_t>* word);
+
+// This thread's CPU time in ns: what the cost benches (tfrdma_trace_bench,
+// tfrdma_stall_bench) count, so that a busy machine preempting the thread
+// does not add to it.
+inline int64_t ThreadCpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
 
 // A hint to the CPU that this thread is busy-waiting.
 inline void CpuRelax() {

@@ -1,7 +1,6 @@
 // The engine's control interface for Python (ctypes), next to the ops in the
 // same shared object: tf_rdma.Server starts the endpoint through it. Plain C
 // types only; errors come back as a message in a caller-owned buffer.
-#include <time.h>
 
 #include <cstdint>
 #include <cstring>
@@ -9,6 +8,7 @@
 
 #include "kernels/common/sha256.h"
 #include "kernels/common/trace.h"
+#include "kernels/common/wait.h"
 #include "kernels/engine/engine.h"
 #include "kernels/transport/factory.h"
 
@@ -120,18 +120,13 @@ int tfrdma_verbs_probe(const char* config, char* out, int outlen) {
 // (docs/observability.md).
 int64_t tfrdma_trace_bench(int64_t n) {
   const std::string key = "bench/tensor:0", peer = "/job:worker/task:1";
-  auto cpu_ns = [] {
-    timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  };
-  int64_t start = cpu_ns();
+  int64_t start = tf_rdma::ThreadCpuNs();
   for (int64_t i = 0; i < n; ++i) {
     tf_rdma::trace::Span::At(tf_rdma::trace::Claim())
         .End(tf_rdma::trace::kWrite, key, 4096, peer,
              static_cast<uint64_t>(i + 1));
   }
-  return cpu_ns() - start;
+  return tf_rdma::ThreadCpuNs() - start;
 }
 
 // The stall inspector's registration of a wait and its end, n times:

@@ -299,6 +299,19 @@ Status Engine::SendFrame(const std::shared_ptr<Connection>& conn,
   return s;
 }
 
+void Engine::SendReply(const std::shared_ptr<Connection>& conn,
+                       FrameType type, uint64_t request_id, const Status& s,
+                       const std::map<std::string, std::string>& fields) {
+  FrameHeader h;
+  h.type = type;
+  h.a = request_id;
+  std::string body = s.ok() ? EncodeFields(fields) : s.message();
+  h.b = body.size();
+  h.c = static_cast<uint64_t>(s.code());
+  Status sent = SendFrame(conn, h, body, Deadline(config_.timeout_ms));
+  if (!sent.ok()) CloseConnection(conn, sent);
+}
+
 Status Engine::Request(const std::shared_ptr<Connection>& conn,
                        FrameType type,
                        const std::map<std::string, std::string>& fields,

@@ -361,6 +361,12 @@ class Engine {
                  const std::map<std::string, std::string>& fields,
                  const Deadline& deadline,
                  std::map<std::string, std::string>* reply);
+  // Answers request `request_id` (type kOpenReply or kQueryReply): the
+  // fields if `s` is ok, else its code and message. A reply that cannot be
+  // sent closes the connection.
+  void SendReply(const std::shared_ptr<Connection>& conn, FrameType type,
+                 uint64_t request_id, const Status& s,
+                 const std::map<std::string, std::string>& fields);
   void HandleOpen(const std::shared_ptr<Connection>& conn, uint64_t request_id,
                   const std::string& body);
   // Answers a QUERY frame (query.cc), on the connection's reader thread.

@@ -79,14 +79,7 @@ void Engine::HandleQuery(const std::shared_ptr<Connection>& conn,
   if (what == "clock" && s.ok()) {
     reply["sent_ns"] = std::to_string(trace::NowNs());
   }
-  FrameHeader h;
-  h.type = kQueryReply;
-  h.a = request_id;
-  std::string rbody = s.ok() ? EncodeFields(reply) : s.message();
-  h.b = rbody.size();
-  h.c = static_cast<uint64_t>(s.code());
-  Status sent = SendFrame(conn, h, rbody, Deadline(config_.timeout_ms));
-  if (!sent.ok()) CloseConnection(conn, sent);
+  SendReply(conn, kQueryReply, request_id, s, reply);
 }
 
 Status Engine::ClockOffset(const std::string& peer, int samples,

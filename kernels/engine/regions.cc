@@ -213,17 +213,10 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     conn->peer_writable.insert(region->id);
     EncodeDescriptor(exposed, "", &reply);
   }
-  FrameHeader h;
-  h.type = kOpenReply;
-  h.a = request_id;
-  std::string rbody = s.ok() ? EncodeFields(reply) : s.message();
-  h.b = rbody.size();
-  h.c = static_cast<uint64_t>(s.code());
   if (!s.ok()) {
     LogLimited("refused region for " + conn->peer + ": " + s.message());
   }
-  Status sent = SendFrame(conn, h, rbody, Deadline(config_.timeout_ms));
-  if (!sent.ok()) CloseConnection(conn, sent);
+  SendReply(conn, kOpenReply, request_id, s, reply);
 }
 
 void Engine::RefuseWriter(const std::string& region_name, const Status& why) {

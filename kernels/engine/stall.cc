@@ -47,8 +47,6 @@
 // run on engine threads (Schedule), never on the poller, so a peer that
 // does not answer delays only its own line.
 
-#include <time.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -127,17 +125,12 @@ int64_t Engine::StallBench(int64_t n) {
     s->spec.peer = "/job:worker/task:1";
     return s;
   }();
-  auto cpu_ns = [] {
-    timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  };
-  int64_t start = cpu_ns();
+  int64_t start = ThreadCpuNs();
   for (int64_t i = 0; i < n; ++i) {
     EndStall(BeginStall(StallWait::kData, slot, nullptr,
                         static_cast<uint64_t>(i + 1), 0));
   }
-  return cpu_ns() - start;
+  return ThreadCpuNs() - start;
 }
 
 std::shared_ptr<StallWait> Engine::BeginStall(int kind, RecvSlot* recv,
