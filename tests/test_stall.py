@@ -10,6 +10,11 @@ the peer does not answer); a timeout's error carries the same facts.
   its stderr has the stall line naming the tensor, its step, the sender, and
   the sender's last written step (learnt locally: a stopped peer does not
   answer); after SIGCONT every step's values are right.
+- `test_stopped_sender_under_a_rewritten_function`: a client calls a
+  rewritten function on two `tf_rdma.server`s and stops worker:0 (the
+  sender) for STOP_S before a call: worker:1's line names the tensor's key,
+  the call, worker:0 as not answering and its last write (the step of the
+  3 warm-up calls); the calls return exact values.
 - `test_stopped_worker_in_an_allreduce`: 3 workers run allreduces; worker 0
   SIGSTOPs worker 2 for STOP_S: another worker's line names the collective,
   its step and either a peer that answered and itself waits for worker 2 (a
@@ -25,12 +30,15 @@ The STOP_S stops are longer than the warning (1 s) plus one watchdog scan
 (0.25 s) plus the bounded question to the stopped peer (1 s).
 """
 
+import json
 import re
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
-from conftest import make_cluster, run_tasks
+from conftest import base_env, make_cluster, run_tasks, start_servers, stop_servers
 from tf_rdma import settings
 from tf_rdma.errors import ConfigError
 
@@ -102,6 +110,69 @@ def test_stopped_sender_on_the_op_path():
               f"for its data from {A}, which does not answer" in line and
               "the last it wrote here was step 5" in line]
     assert wanted, out[B].describe()
+    assert lines[0].startswith(f"tf_rdma[{B}]: stall: "), lines
+    print("\n".join(lines))
+
+
+# A rewritten function's client: the servers' pids come in TEST_SERVER_PIDS.
+# After warm-up calls it stops worker:0 (the sender) and makes one call: the
+# call's part on worker:1 waits for the tensor, then runs on after SIGCONT.
+REWRITE_CLIENT = STOPPER + """
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+import tf_rdma
+cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
+
+@tf.function
+def step(x):
+    with tf.device(W0):
+        y = x * 2.0
+    with tf.device(W1):
+        z = y + 1.0
+    return z
+
+fn = tf_rdma.rewrite(step, timeout=30)
+x = tf.range(64, dtype=tf.float32)
+want = np.arange(64, dtype=np.float32) * 2 + 1
+exact = [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(3)]
+stop_for(int(os.environ["TEST_SERVER_PIDS"].split()[0]), STOP_S)
+exact += [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(2)]
+print("RESULT " + json.dumps({"exact": exact,
+                              "key": fn.plan.transfers[0].key}), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_stopped_sender_under_a_rewritten_function():
+    """The rewrite path: worker:1's part of a call waits for a tensor from a
+    stopped worker:0; its line names the tensor's key, the call, the sender
+    as not answering; after SIGCONT the calls return exact values."""
+    cluster = make_cluster(2)
+    env = base_env(STALL_ENV)
+    servers = start_servers(cluster, env)
+    try:
+        client_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster}),
+                          TEST_SERVER_PIDS=" ".join(str(p.pid) for p in servers))
+        program = f"STOP_S = {STOP_S!r}\n" + REWRITE_CLIENT
+        proc = subprocess.run([sys.executable, "-c", program], env=client_env,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        logs = stop_servers(servers)
+    results = [json.loads(line[len("RESULT "):])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (proc.stderr[-3000:], logs)
+    assert results[-1]["exact"] == [True] * 5, results
+    key = results[-1]["key"]
+    lines = stall_lines(logs[1][1])
+    wanted = [line for line in lines
+              if f"recv of tensor '{key}'" in line and
+              f"for its data from {A}, which does not answer" in line and
+              # the 3 warm-up calls: its slot's step, learnt locally
+              "(its step 3 on this slot)" in line]
+    assert wanted, "\n".join(lines) or logs[1][1][-3000:]
     assert lines[0].startswith(f"tf_rdma[{B}]: stall: "), lines
     print("\n".join(lines))
 
