@@ -380,6 +380,62 @@ def stop_servers(procs):
     return out
 
 
+# A client of two `python -m tf_rdma.server` workers with a rewritten step:
+# worker:0 computes x * 2 (ELEMENTS float32s), worker:1 adds 1, so each call
+# is one planned transfer worker:0 -> worker:1. `exact_call()` makes a call
+# and says whether it returned the exact values. The program that follows
+# sets ELEMENTS and REWRITE_TIMEOUT before this prelude and prints its
+# "RESULT {json}" lines (run_rewrite_client).
+REWRITE_CLIENT = r"""
+import json, os, sys, threading, time
+import numpy as np
+import tensorflow as tf
+import tf_rdma
+cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
+
+@tf.function
+def step(x):
+    with tf.device(W0):
+        y = x * 2.0
+    with tf.device(W1):
+        z = y + 1.0
+    return z
+
+fn = tf_rdma.rewrite(step, timeout=REWRITE_TIMEOUT)
+x = tf.range(ELEMENTS, dtype=tf.float32)
+want = np.arange(ELEMENTS, dtype=np.float32) * 2 + 1
+
+def exact_call():
+    return bool(np.array_equal(fn(x).numpy(), want))
+"""
+
+
+def run_rewrite_client(program, env, timeout=120):
+    """Starts two workers, runs `program` (after REWRITE_CLIENT's prelude) as
+    their client with the servers' pids in TEST_SERVER_PIDS, stops them.
+
+    Returns (the client's last RESULT, [(exit code, stderr)] per server);
+    fails the test if the client failed or printed no RESULT.
+    """
+    cluster = make_cluster(2)
+    servers = start_servers(cluster, env)
+    try:
+        client_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster}),
+                          TEST_SERVER_PIDS=" ".join(str(p.pid) for p in servers))
+        proc = subprocess.run([sys.executable, "-c", program], env=client_env,
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        logs = stop_servers(servers)
+    results = [json.loads(line[len("RESULT "):])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"client failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n"
+                    + "\n".join(err[-1500:] for _, err in logs))
+    return results[-1], logs
+
+
 # ---------------------------------------------------------------------------
 # Two "hosts" on one machine: network namespaces joined by a veth pair, each
 # with an address from TEST-NET-1 (192.0.2.0/24, the documentation range,

@@ -21,49 +21,27 @@ way. The client's results stay exact.
 """
 
 import glob
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import (base_env, inside, make_cluster, named, read_xplane_events,
-                      start_servers, stop_servers)
+from conftest import (REWRITE_CLIENT, base_env, inside, named, read_xplane_events,
+                      run_rewrite_client)
 
 pytestmark = pytest.mark.timeout(240)
 
 W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
 ELEMENTS = 1024  # float32: 4 KiB
 
-CLIENT = r"""
-import json, os, threading, time
-import numpy as np
-import tensorflow as tf
-import tf_rdma
-cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
-W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
-
-@tf.function
-def step(x):
-    with tf.device(W0):
-        y = x * 2.0
-    with tf.device(W1):
-        z = y + 1.0
-    return z
-
-fn = tf_rdma.rewrite(step, timeout=60)
-x = tf.range(ELEMENTS, dtype=tf.float32)
-want = np.arange(ELEMENTS, dtype=np.float32) * 2 + 1
-exact = [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(3)]
+CLIENT = REWRITE_CLIENT + r"""
+exact = [exact_call() for _ in range(3)]
 untraced = fn.explain(file=open(os.devnull, "w"), measured=True)
 stop = threading.Event()
 
 def loop():
     while not stop.is_set():
-        exact.append(bool(np.array_equal(fn(x).numpy(), want)))
+        exact.append(exact_call())
 
 runner = threading.Thread(target=loop)
 runner.start()
@@ -79,6 +57,7 @@ key = fn.plan.transfers[0].key
 print("RESULT " + json.dumps({
     "keys": [t.key for t in fn.plan.transfers], "calls": len(exact),
     "exact": all(exact), "explained": explained, "untraced": untraced,
+    "workers": cluster["worker"],
     "send": measured.summarize(
         measured.task_report("recent", W0)["keys"].get(key, []), "send", 10),
     "recv": measured.summarize(
@@ -90,26 +69,14 @@ print("RESULT " + json.dumps({
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     logdir = str(tmp_path_factory.mktemp("cluster-profile"))
-    cluster = make_cluster(2)
     env = base_env({"TF_RDMA_TRANSPORT": "shm", "TF_RDMA_TIMEOUT": "60"})
-    servers = start_servers(cluster, env)
-    try:
-        client_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster}))
-        program = f"LOGDIR = {logdir!r}\nELEMENTS = {ELEMENTS}\n" + CLIENT
-        proc = subprocess.run([sys.executable, "-c", program], env=client_env,
-                              capture_output=True, text=True, timeout=180)
-    finally:
-        logs = stop_servers(servers)
-    results = [json.loads(line[len("RESULT "):])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, (
-        f"client failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n"
-        + "\n".join(err[-1500:] for _, err in logs))
-    result = results[-1]
+    program = (f"LOGDIR = {logdir!r}\nELEMENTS = {ELEMENTS}\n"
+               f"REWRITE_TIMEOUT = 60\n" + CLIENT)
+    result, _ = run_rewrite_client(program, env, timeout=180)
     assert result["exact"], result
     assert result["keys"], result
     return (result,) + tuple(worker_events(logdir, address)
-                             for address in cluster["worker"])
+                             for address in result["workers"])
 
 
 def worker_events(logdir, address):

@@ -30,15 +30,13 @@ The STOP_S stops are longer than the warning (1 s) plus one watchdog scan
 (0.25 s) plus the bounded question to the stopped peer (1 s).
 """
 
-import json
 import re
-import subprocess
-import sys
 import tempfile
 
 import pytest
 
-from conftest import base_env, make_cluster, run_tasks, start_servers, stop_servers
+from conftest import (REWRITE_CLIENT, base_env, make_cluster, run_rewrite_client,
+                      run_tasks)
 from tf_rdma import settings
 from tf_rdma.errors import ConfigError
 
@@ -117,29 +115,10 @@ def test_stopped_sender_on_the_op_path():
 # A rewritten function's client: the servers' pids come in TEST_SERVER_PIDS.
 # After warm-up calls it stops worker:0 (the sender) and makes one call: the
 # call's part on worker:1 waits for the tensor, then runs on after SIGCONT.
-REWRITE_CLIENT = STOPPER + """
-import json, os, sys, time
-import numpy as np
-import tensorflow as tf
-import tf_rdma
-cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
-W0, W1 = "/job:worker/task:0", "/job:worker/task:1"
-
-@tf.function
-def step(x):
-    with tf.device(W0):
-        y = x * 2.0
-    with tf.device(W1):
-        z = y + 1.0
-    return z
-
-fn = tf_rdma.rewrite(step, timeout=30)
-x = tf.range(64, dtype=tf.float32)
-want = np.arange(64, dtype=np.float32) * 2 + 1
-exact = [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(3)]
+STALLED_CALL = REWRITE_CLIENT + STOPPER + """
+exact = [exact_call() for _ in range(3)]
 stop_for(int(os.environ["TEST_SERVER_PIDS"].split()[0]), STOP_S)
-exact += [bool(np.array_equal(fn(x).numpy(), want)) for _ in range(2)]
+exact += [exact_call() for _ in range(2)]
 print("RESULT " + json.dumps({"exact": exact,
                               "key": fn.plan.transfers[0].key}), flush=True)
 """
@@ -150,22 +129,11 @@ def test_stopped_sender_under_a_rewritten_function():
     """The rewrite path: worker:1's part of a call waits for a tensor from a
     stopped worker:0; its line names the tensor's key, the call, the sender
     as not answering; after SIGCONT the calls return exact values."""
-    cluster = make_cluster(2)
-    env = base_env(STALL_ENV)
-    servers = start_servers(cluster, env)
-    try:
-        client_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster}),
-                          TEST_SERVER_PIDS=" ".join(str(p.pid) for p in servers))
-        program = f"STOP_S = {STOP_S!r}\n" + REWRITE_CLIENT
-        proc = subprocess.run([sys.executable, "-c", program], env=client_env,
-                              capture_output=True, text=True, timeout=120)
-    finally:
-        logs = stop_servers(servers)
-    results = [json.loads(line[len("RESULT "):])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, (proc.stderr[-3000:], logs)
-    assert results[-1]["exact"] == [True] * 5, results
-    key = results[-1]["key"]
+    program = (f"STOP_S = {STOP_S!r}\nELEMENTS = 64\nREWRITE_TIMEOUT = 30\n"
+               + STALLED_CALL)
+    result, logs = run_rewrite_client(program, base_env(STALL_ENV))
+    assert result["exact"] == [True] * 5, result
+    key = result["key"]
     lines = stall_lines(logs[1][1])
     wanted = [line for line in lines
               if f"recv of tensor '{key}'" in line and
