@@ -21,6 +21,7 @@ import json
 import pytest
 
 from conftest import make_cluster, run_tasks, use_transport
+from tf_rdma.collectives import ALGORITHMS
 
 # The body every rank runs; MATRIX(P) is substituted.
 MATRIX = r"""
@@ -33,7 +34,7 @@ DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16",
           "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "complex64", "complex128"]
 SIZES = [0, 1, 7, 4096 + 3, 1 << 18, 1 << 22]   # elements (float32: up to 16 MiB)
-ALGS = ["lp", "ring", "tree", "rhd"]
+ALGS = list(C.ALGORITHMS)
 KINDS = ["allreduce", "broadcast", "reduce", "allgather"]
 REDS = ["sum", "mean", "min", "max", "prod"]
 # 1 MiB and 16 MiB (float32) for two dtypes: the small sizes cover every
@@ -154,13 +155,23 @@ for size in json.loads(os.environ.get("GROUP_SIZES", "null")) or [g.size]:
     group = g if size == g.size else C.Group(g.tasks[:size])
     P, r = group.size, group.rank
     bad[size] = []
-    for alg in ["lp", "ring", "tree", "rhd"]:
+    for alg in C.ALGORITHMS:
         for n in [1, 5, 1000]:
             x = np.arange(n, dtype=np.int64) * (r + 1)
             y = C.all_reduce(tf.constant(x), algorithm=alg, group=group,
                              block_bytes=64).numpy()
             if not np.array_equal(y, np.arange(n) * sum(range(1, P + 1))):
                 bad[size].append(["allreduce", alg, n])
+            # Channels of 1 and 2 blocks: lp's one pipeline (up and down
+            # the chain at once) and oneshot's sends to everyone first must
+            # not deadlock where few blocks are in flight.
+            for depth in (1, 2):
+                y = C.all_reduce(tf.constant(x), algorithm=alg, group=group,
+                                 block_bytes=64, depth=depth,
+                                 name=f"depth{depth}/{alg}/{n}/{size}").numpy()
+                if not np.array_equal(y, np.arange(n) *
+                                      sum(range(1, P + 1))):
+                    bad[size].append(["allreduce", alg, n, "depth", depth])
             for root in range(P):
                 y = C.broadcast(tf.constant(x), root=root, algorithm=alg,
                                 group=group, block_bytes=64).numpy()
@@ -396,7 +407,7 @@ def gather(x):
     return C.all_gather_v(x, algorithm=ALG, name="gv/" + ALG)
 
 out = {}
-for ALG in ["lp", "ring", "tree", "rhd"]:
+for ALG in C.ALGORITHMS:
     ok = []
     for call in range(4):
         y = gather(tf.constant(rows(r, call))).numpy()
@@ -420,7 +431,7 @@ def test_all_gather_v_rows_that_differ_by_rank_and_call():
                     timeout=150)
     for task, res in out.items():
         r = res.result
-        for alg in ("lp", "ring", "tree", "rhd"):
+        for alg in ALGORITHMS:
             assert r[alg] == [True] * 4, (task, alg)
         assert r["int64"] == [0, 1, 1, 2, 2, 2]
         assert r["mismatch"].startswith("InvalidArgumentError"), r["mismatch"]

@@ -29,6 +29,7 @@ const char* AlgorithmName(Algorithm algorithm) {
     case Algorithm::kRing: return "ring";
     case Algorithm::kTree: return "tree";
     case Algorithm::kRhd: return "rhd";
+    case Algorithm::kOneShot: return "oneshot";
   }
   return "?";
 }
@@ -46,7 +47,8 @@ bool ParseKind(const std::string& name, CollectiveKind* out) {
 
 bool ParseAlgorithm(const std::string& name, Algorithm* out) {
   for (Algorithm a :
-       {Algorithm::kLp, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd}) {
+       {Algorithm::kLp, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+        Algorithm::kOneShot}) {
     if (name == AlgorithmName(a)) {
       *out = a;
       return true;
@@ -207,10 +209,14 @@ class Runner {
   Status Lp();
   Status LpChain(const std::vector<int>& order, Range range, bool reduce);
   Status LpAllGather();
+  Status LpAllReduce();
   Status Tree();
   void TreeLinks(int root, int* parent, std::vector<int>* children) const;
   Status Rhd();
   Status RhdAllGather();
+  Status OneShot();
+  Status OneShotReduce(uint64_t at, uint64_t n,
+                       std::vector<uint8_t>* scratch);
 
   // Recursive halving over the active (power-of-two) ranks: see Rhd().
   int active_ = 1;  // P', the largest power of two <= P
@@ -438,10 +444,9 @@ Status Runner::RingAllGather(int owned_shift, bool pieces) {
 // adds the local block (reading the incoming one where it landed in the
 // channel) before forwarding. Broadcast costs (P-1+n/b)·α + (b(P-1)+n)·β:
 // for n >> b(P-1) that is n·β, independent of P — the chain's point; a tree
-// sends the whole message log P times in sequence. allreduce = a reduce
-// down the chain then a broadcast back up it, each pipelined:
-// 2(P-1+n/b)·α + (b(P-1)+n)·(2β+γ). reduce(root) ends the chain at the root,
-// broadcast(root) starts it there.
+// sends the whole message log P times in sequence. reduce(root) ends the
+// chain at the root, broadcast(root) starts it there; allreduce is both in
+// one pipeline (LpAllReduce).
 Status Runner::Lp() {
   std::vector<int> order(size_);
   switch (spec_.kind) {
@@ -456,10 +461,58 @@ Status Runner::Lp() {
     case CollectiveKind::kAllReduce:
       break;
   }
-  for (int i = 0; i < size_; ++i) order[i] = i;
-  TF_RDMA_RETURN_IF_ERROR(LpChain(order, All(), true));
-  std::reverse(order.begin(), order.end());
-  return LpChain(order, All(), false);
+  return LpAllReduce();
+}
+
+// lp allreduce: the reduce chain and the broadcast chain as one pipeline.
+//
+// Blocks are reduced up the chain 0 → P-1 and broadcast back down it
+// P-1 → 0. Run one after the other, the two chains each pay the fill of
+// P-1 block times, and a link carries data in one direction at a time.
+// In the paper's combined schedule block k starts back down the chain as
+// soon as rank P-1 has reduced it, while block k+1 is still on its way up:
+// one fill for the whole allreduce, both directions of every link busy.
+//
+// Rank v in iteration t reduces block t (receive from v-1, add its own,
+// send to v+1) and then passes block t - L(v) down (receive from v+1 into
+// the buffer, send to v-1). L(v) = 2(P-1-v) is the round trip from v to the
+// end of the chain and back, in block times: block t - L(v) is the one that
+// arrives from above at about the moment block t arrives from below, so no
+// rank waits on a direction while the other has work. Rank P-1 (L = 0) sends
+// each block down as soon as it has reduced it.
+//
+// No deadlock for any depth >= 1: a rank blocks on a send only until its
+// neighbour releases a block that neighbour reached earlier in its own
+// loop, because neighbouring lags differ by 2 <= 2·depth iterations.
+// Cost, with h = α + b·β the send of a block, g = b·γ its reduction and
+// d = b·δ its copy: a middle rank does h + g + h + d per block, so
+// (n/b + 2(P-1))·(2h + g + d) at most; on links whose sends cost the CPU
+// nothing (RDMA) about half of the two chains run one after the other.
+Status Runner::LpAllReduce() {
+  const int v = rank_;  // the chain is the ranks in order
+  const uint64_t blocks = Blocks(All().length);
+  const uint64_t lag = 2 * static_cast<uint64_t>(size_ - 1 - v);
+  for (uint64_t t = 0; t < blocks + lag; ++t) {
+    if (t < blocks) {  // up: block t
+      uint64_t at = t * block_;
+      uint64_t n = std::min(block_, All().length - at);
+      const uint8_t* mine = src_ + at;
+      if (v > 0) {
+        TF_RDMA_RETURN_IF_ERROR(RecvBlock(v - 1, buf_ + at, n, mine));
+        mine = buf_ + at;
+      }
+      if (v < size_ - 1) TF_RDMA_RETURN_IF_ERROR(SendBlock(v + 1, mine, n));
+    }
+    if (t >= lag) {  // down: block t - lag
+      uint64_t at = (t - lag) * block_;
+      uint64_t n = std::min(block_, All().length - at);
+      if (v < size_ - 1) {
+        TF_RDMA_RETURN_IF_ERROR(RecvBlock(v + 1, buf_ + at, n, nullptr));
+      }
+      if (v > 0) TF_RDMA_RETURN_IF_ERROR(SendBlock(v - 1, buf_ + at, n));
+    }
+  }
+  return Status::Ok();
 }
 
 Status Runner::LpChain(const std::vector<int>& order, Range range,
@@ -688,6 +741,105 @@ Status Runner::RhdAllGather() {
   return Status::Ok();
 }
 
+// oneshot: every rank sends straight to every rank that needs its data, in
+// one step; the latency path for small messages.
+//
+// allreduce: each rank writes its input into a channel of every other rank,
+// then reduces the P inputs in rank order (0, 1, ..., P-1), reading the
+// peers' where they landed; the order is the same on every rank, so all get
+// the same bits. reduce: the same with the root alone receiving; broadcast:
+// the root writes to every rank; allgather: every rank writes its piece to
+// every rank. One block time of latency (α) instead of the 2(P-1) of ring or
+// the 2 log P of rhd, for (P-1)·n·β sent and (P-1)·n·γ reduced per rank:
+// P-1 times the bytes of ring, so only worth it while α dominates, which is
+// what the cost model's choice weighs. Messages longer than a block go block
+// by block, each block one-shot.
+Status Runner::OneShot() {
+  const uint64_t length = All().length;
+  const int root = spec_.root;
+  std::vector<uint8_t> scratch;
+  if (spec_.kind == CollectiveKind::kAllGather) {
+    uint64_t piece = spec_.count * spec_.element_bytes;
+    for (uint64_t at = 0; at < piece; at += block_) {
+      uint64_t n = std::min(block_, piece - at);
+      for (int i = 1; i < size_; ++i) {
+        TF_RDMA_RETURN_IF_ERROR(
+            SendBlock(Mod(rank_ + i), buf_ + rank_ * piece + at, n));
+      }
+      for (int q = 0; q < size_; ++q) {
+        if (q == rank_) continue;
+        TF_RDMA_RETURN_IF_ERROR(
+            RecvBlock(q, buf_ + q * piece + at, n, nullptr));
+      }
+    }
+    return Status::Ok();
+  }
+  for (uint64_t at = 0; at < length; at += block_) {
+    uint64_t n = std::min(block_, length - at);
+    if (spec_.kind == CollectiveKind::kBroadcast) {
+      if (rank_ != root) {
+        TF_RDMA_RETURN_IF_ERROR(RecvBlock(root, buf_ + at, n, nullptr));
+        continue;
+      }
+      for (int i = 1; i < size_; ++i) {
+        TF_RDMA_RETURN_IF_ERROR(SendBlock(Mod(rank_ + i), buf_ + at, n));
+      }
+      continue;
+    }
+    // allreduce and reduce
+    if (spec_.kind == CollectiveKind::kAllReduce) {
+      for (int i = 1; i < size_; ++i) {
+        TF_RDMA_RETURN_IF_ERROR(SendBlock(Mod(rank_ + i), src_ + at, n));
+      }
+    } else if (rank_ != root) {
+      TF_RDMA_RETURN_IF_ERROR(SendBlock(root, src_ + at, n));
+      continue;
+    }
+    TF_RDMA_RETURN_IF_ERROR(OneShotReduce(at, n, &scratch));
+  }
+  return Status::Ok();
+}
+
+// buf[at, at+n) = x_0 op x_1 op ... op x_{P-1}, in rank order, where x_q is
+// rank q's block: this rank's own from the input, the others' from their
+// channels. The first two operands are held at once (two tickets), the
+// rest are reduced in one by one. Working in place, this rank's input is
+// the buffer, which the first reduction overwrites: a rank after 1 keeps a
+// copy of its block first.
+Status Runner::OneShotReduce(uint64_t at, uint64_t n,
+                             std::vector<uint8_t>* scratch) {
+  const uint8_t* mine = src_ + at;
+  if (src_ == buf_ && rank_ >= 2) {
+    scratch->assign(mine, mine + n);
+    mine = scratch->data();
+  }
+  RecvTicket held[2];
+  const uint8_t* first[2];
+  for (int q = 0; q < 2; ++q) {
+    if (q == rank_) {
+      first[q] = mine;
+      continue;
+    }
+    Status s = engine_->ClaimRecv(Channel(q, rank_), &held[q]);
+    held[q].nbytes = n;
+    if (s.ok()) s = engine_->FinishRecv(&held[q]);
+    if (!s.ok()) return Fail(s, "receiving from", q);
+    first[q] = held[q].payload;
+  }
+  reduce_(buf_ + at, first[0], first[1], n / spec_.element_bytes);
+  for (int q = 0; q < 2; ++q) {
+    if (q != rank_) engine_->Release(held[q]);
+  }
+  for (int q = 2; q < size_; ++q) {
+    if (q == rank_) {
+      reduce_(buf_ + at, buf_ + at, mine, n / spec_.element_bytes);
+    } else {
+      TF_RDMA_RETURN_IF_ERROR(RecvBlock(q, buf_ + at, n, buf_ + at));
+    }
+  }
+  return Status::Ok();
+}
+
 Status Runner::Run() {
   if (size_ == 1 || All().length == 0) return Status::Ok();
   switch (spec_.algorithm) {
@@ -695,6 +847,7 @@ Status Runner::Run() {
     case Algorithm::kRing: return Ring();
     case Algorithm::kTree: return Tree();
     case Algorithm::kRhd: return Rhd();
+    case Algorithm::kOneShot: return OneShot();
   }
   return InvalidArgument("unknown algorithm");
 }

@@ -1,5 +1,6 @@
 // Collectives on the engine: allreduce, broadcast, reduce and allgather
-// among a group of tasks, by four algorithms (lp, ring, tree, rhd).
+// among a group of tasks, by five algorithms (lp, ring, tree, rhd and
+// oneshot, the latency path for small messages).
 //
 // The algorithms see only the engine's write/wait interface. Every transfer
 // between two ranks goes through a *channel*: one engine slot in the
@@ -30,7 +31,7 @@
 namespace tf_rdma {
 
 enum class CollectiveKind { kAllReduce, kBroadcast, kReduce, kAllGather };
-enum class Algorithm { kLp, kRing, kTree, kRhd };
+enum class Algorithm { kLp, kRing, kTree, kRhd, kOneShot };
 
 // The blocks of one channel, in flight at once, by default.
 constexpr int64_t kDefaultChannelDepth = 4;

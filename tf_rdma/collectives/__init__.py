@@ -4,15 +4,17 @@ Every process of the group runs the same program (SPMD) with its tf_rdma
 endpoint started (:func:`tf_rdma.start_endpoint`, or
 :class:`tf_rdma.distribute.RdmaStrategy`, which does it). A call is one op,
 ``TfRdmaCollective``, that runs on the engine: the data moves through
-preallocated channels between the ranks, block by block, by one of four
+preallocated channels between the ranks, block by block, by one of five
 algorithms (kernels/engine/collective.cc):
 
-=========  ==========================================================
-``lp``     linear pipelining along a chain — cost nearly flat in P
-``ring``   reduce-scatter + allgather around a ring
-``tree``   binomial tree, pipelined — logarithmic latency
-``rhd``    recursive halving + doubling — MPI's bidirectional exchange
-=========  ==========================================================
+===========  ==========================================================
+``lp``       linear pipelining along a chain — cost nearly flat in P
+``ring``     reduce-scatter + allgather around a ring
+``tree``     binomial tree, pipelined — logarithmic latency
+``rhd``      recursive halving + doubling — MPI's bidirectional exchange
+``oneshot``  every rank writes straight to every rank in one step — the
+             latency path for small messages
+===========  ==========================================================
 
 ``algorithm="auto"`` picks the cheapest under the α-β-γ model of
 :mod:`tf_rdma.collectives.cost`, with the parameters of :func:`calibrate`
@@ -50,7 +52,7 @@ __all__ = ["KINDS", "ALGORITHMS", "REDUCTIONS", "Group", "default_group",
            "calibrate", "model_params"]
 
 KINDS = ("allreduce", "broadcast", "reduce", "allgather")
-ALGORITHMS = ("lp", "ring", "tree", "rhd")
+ALGORITHMS = ("lp", "ring", "tree", "rhd", "oneshot")
 REDUCTIONS = ("sum", "mean", "min", "max", "prod")
 DEFAULT_DEPTH = 4
 
@@ -347,7 +349,7 @@ def all_reduce(tensors, reduction="sum", algorithm="auto", group=None,
             collective over all of them, laid out at fixed offsets).
         reduction: "sum", "mean", "min", "max" or "prod". Mean of integers
             divides with truncation toward zero.
-        algorithm: "auto", "lp", "ring", "tree" or "rhd".
+        algorithm: "auto", "lp", "ring", "tree", "rhd" or "oneshot".
         group: The :class:`Group`; default :func:`default_group`.
         name: The instance name (see the module doc); default derived.
         block_bytes: The pipelining block; default the model's b*.

@@ -164,7 +164,8 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
     Args:
       group: The ``tf_rdma.collectives.Group`` of the workers, or None for a
         single worker (then nothing crosses workers).
-      algorithm: ``"auto"``, ``"lp"``, ``"ring"``, ``"tree"`` or ``"rhd"``.
+      algorithm: ``"auto"``, ``"lp"``, ``"ring"``, ``"tree"``, ``"rhd"`` or
+          ``"oneshot"``.
       bucket_bytes: Largest gradient bucket, in bytes.
       timeout: Seconds a collective waits for a peer; None for
         ``TF_RDMA_TIMEOUT``.

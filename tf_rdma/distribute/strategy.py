@@ -123,7 +123,7 @@ class RdmaStrategy(tf.distribute.MirroredStrategy):
 
     Args:
       algorithm: The collectives' algorithm: ``"auto"`` (the cost model picks
-        per size), ``"lp"``, ``"ring"``, ``"tree"`` or ``"rhd"``.
+        per size), ``"lp"``, ``"ring"``, ``"tree"``, ``"rhd"`` or ``"oneshot"``.
       bucket_bytes: Largest gradient bucket, in bytes (a larger gradient gets
         a bucket of its own). Default :data:`DEFAULT_BUCKET_BYTES`.
       cluster_resolver: A ``tf.distribute.cluster_resolver.ClusterResolver``;

@@ -7,6 +7,8 @@ flow over a binomial tree, and a point-to-point transfer. The schedules
 (:mod:`tf_rdma.collectives.simulate.schedules`) call them in program order.
 """
 
+import collections
+
 import numpy as np
 
 from tf_rdma.collectives import cost
@@ -46,6 +48,15 @@ _DENSE_CHANNEL_TABLE_MAX_P = 2048
 #   iteration per block and tree level.
 # * Point to point (scatter from a root, gather to a root, tree gather): one
 #   sender, one receiver, both doing nothing else meanwhile: a scalar loop.
+# * Programs (oneshot, and lp allreduce with channels of fewer than 3
+#   blocks): every rank's list of sends and receives, run literally by a
+#   worklist scheduler (a rank runs until an operation waits for a block or
+#   a credit, and is run again when that channel moves): exact for any
+#   schedule, one Python step per operation.
+# * The combined chain (lp allreduce): in iteration t rank v reduces block t
+#   up the chain, then passes block t - 2(P-1-v) down it. The up halves are
+#   a chain flow; a down half depends only on earlier iterations while the
+#   channels hold 3 or more blocks. One Python iteration per block.
 #
 # The algorithms call these patterns in an order that respects every rank's
 # program order and puts every block's send before its receive, so each
@@ -210,6 +221,145 @@ class Engine:
             self.consumed(ids, got)
         self.clock[order] = c
 
+    def combined_chain(self, nbytes):
+        """lp allreduce: up the chain 0..P-1 reducing, down it copying, as
+        one pipeline (Runner::LpAllReduce)."""
+        P, b = self.P, self.b
+        if self.depth is not None and self.depth < 3:
+            self.programs(_combined_chain_programs(
+                P, nbytes, b, self.gamma, self.delta))
+            return
+        nb = -(-nbytes // b)
+        v = np.arange(P)
+        lag = 2 * (P - 1 - v)
+        up = self.channels(v[:-1], v[1:])      # v -> v+1
+        down = self.channels(v[1:], v[:-1])    # v+1 -> v
+        c = self.clock.copy()
+        idx = np.arange(P - 1, dtype=np.float64)
+        base = self.count[down].copy()
+        sent_down = {}      # (v+1, block): when v+1 finished sending it to v
+        consumed_down = {}  # (v, block): when v finished copying it out
+        self.work += (P - 1) * nbytes * (2 * self.beta + self.gamma
+                                         + self.delta)
+        for t in range(nb + int(lag[0])):
+            if t < nb:  # up: block t, a chain flow with reduction
+                s = min(b, nbytes - t * b)
+                h = self.alpha + s * self.beta
+                g = s * self.gamma
+                a = g + h
+                credit = self.credit(up)
+                z = np.empty(P - 1)
+                z[0] = max(c[0], credit[0]) + h
+                if P > 2:
+                    z[1:] = np.maximum(c[1:P - 1] + a, credit[1:] + h)
+                sent = idx * a + np.maximum.accumulate(z - idx * a)
+                got = np.maximum(c[1:], sent) + g
+                c[:P - 1] = sent
+                c[P - 1] = got[-1]
+                self.consumed(up, got)
+            j = t - lag  # down: block j at every rank with 0 <= j < nb
+            for r in np.flatnonzero((j >= 0) & (j < nb)):
+                k = int(j[r])
+                s = min(b, nbytes - k * b)
+                if r < P - 1:  # receive from r+1 (sent 2 iterations ago)
+                    c[r] = max(c[r], sent_down.pop((r + 1, k))) + \
+                        s * self.delta
+                    consumed_down[(r, k)] = c[r]
+                if r > 0:  # send to r-1, once it consumed block k - depth
+                    start = c[r]
+                    if self.depth is not None:
+                        if k >= self.depth:
+                            start = max(start, consumed_down.pop(
+                                (r - 1, k - self.depth)))
+                        else:
+                            start = max(start, float(self.cons[
+                                down[r - 1], (base[r - 1] + k) % self.depth]))
+                    c[r] = start + self.alpha + s * self.beta
+                    sent_down[(r, k)] = c[r]
+        if self.depth is not None:
+            for k in range(max(0, nb - self.depth), nb):
+                for r in range(P - 1):
+                    self.cons[down[r], (base[r] + k) % self.depth] = \
+                        consumed_down[(r, k)]
+        self.count[down] += nb
+        self.clock[:] = c
+
+    def programs(self, programs):
+        """Runs every rank's program literally.
+
+        ``programs[r]`` is rank r's list of operations in its order:
+        ``("send", to, nbytes)``, ``("recv", frm, nbytes, per_byte)``,
+        where per_byte is the receiver's cost per byte (γ to reduce, δ to
+        copy out, 0 to hold the block for a later operation), or
+        ``("compute", nbytes, per_byte)``: work on the rank's own data.
+        """
+        P, D = self.P, self.depth
+        pairs = sorted({(r, op[1]) if op[0] == "send" else (op[1], r)
+                        for r, prog in enumerate(programs) for op in prog
+                        if op[0] != "compute"})
+        if not pairs:
+            return
+        ids = self.channels([a for a, _ in pairs], [d for _, d in pairs])
+        chan = {pair: int(i) for pair, i in zip(pairs, ids)}
+        nsent = {i: int(self.count[i]) for i in chan.values()}
+        ncons = dict(nsent)
+        pending = {i: collections.deque() for i in chan.values()}
+        waiting = {i: [] for i in chan.values()}  # ranks blocked on it
+        pc = [0] * P
+        clock = [float(x) for x in self.clock]
+        ready = collections.deque(r for r in range(P) if programs[r])
+        queued = [bool(programs[r]) for r in range(P)]
+
+        def wake(i):
+            for r in waiting[i]:
+                if not queued[r]:
+                    queued[r] = True
+                    ready.append(r)
+            waiting[i].clear()
+
+        while ready:
+            r = ready.popleft()
+            queued[r] = False
+            prog = programs[r]
+            while pc[r] < len(prog):
+                op = prog[pc[r]]
+                if op[0] == "compute":
+                    clock[r] += op[1] * op[2]
+                    self.work += op[1] * op[2]
+                    pc[r] += 1
+                    continue
+                if op[0] == "send":
+                    i = chan[(r, op[1])]
+                    m = nsent[i]
+                    start = clock[r]
+                    if D is not None:
+                        if m - D >= ncons[i]:
+                            waiting[i].append(r)
+                            break
+                        start = max(start, float(self.cons[i, m % D]))
+                    clock[r] = start + self.alpha + op[2] * self.beta
+                    pending[i].append(clock[r])
+                    nsent[i] = m + 1
+                    self.work += op[2] * self.beta
+                else:
+                    i = chan[(op[1], r)]
+                    if not pending[i]:
+                        waiting[i].append(r)
+                        break
+                    clock[r] = max(clock[r], pending[i].popleft()) + \
+                        op[2] * op[3]
+                    if D is not None:
+                        self.cons[i, ncons[i] % D] = clock[r]
+                    ncons[i] += 1
+                    self.work += op[2] * op[3]
+                pc[r] += 1
+                wake(i)
+        if any(pc[r] < len(programs[r]) for r in range(P)):
+            raise AssertionError("simulator bug: the programs deadlock")
+        for i in chan.values():
+            self.count[i] = nsent[i]
+        self.clock[:] = clock
+
     def tree(self, root, nbytes, up, reduce):
         """Flow over the binomial tree rooted at ``root``.
 
@@ -352,3 +502,27 @@ def _tree_levels(P):
         levels.append((nodes, mat, nk, parent))
     _levels_cache[P] = levels
     return levels
+
+
+def _combined_chain_programs(P, nbytes, b, gamma, delta):
+    """Every rank's program of the combined lp allreduce (any depth)."""
+    nb = -(-nbytes // b)
+    progs = []
+    for v in range(P):
+        prog = []
+        lag = 2 * (P - 1 - v)
+        for t in range(nb + lag):
+            if t < nb:
+                s = min(b, nbytes - t * b)
+                if v > 0:
+                    prog.append(("recv", v - 1, s, gamma))
+                if v < P - 1:
+                    prog.append(("send", v + 1, s))
+            if t >= lag:
+                s = min(b, nbytes - (t - lag) * b)
+                if v < P - 1:
+                    prog.append(("recv", v + 1, s, delta))
+                if v > 0:
+                    prog.append(("send", v - 1, s))
+        progs.append(prog)
+    return progs

@@ -1,6 +1,6 @@
 """The schedules of kernels/engine/collective.cc, played on the :class:`Engine`.
 
-One function per algorithm (lp, ring, tree, rhd), each taking the engine,
+One function per algorithm (lp, ring, tree, rhd, oneshot), each taking the engine,
 the kind (broadcast, reduce, allreduce, allgather), the message size and the
 number of ranks, and calling the engine's patterns in the order the C++
 engine runs the ranks' operations, with root 0.
@@ -53,8 +53,7 @@ def _lp(e, kind, n, P):
     elif kind == "reduce":
         e.chain(np.r_[np.arange(1, P), 0], n, True)
     elif kind == "allreduce":
-        e.chain(np.arange(P), n, True)
-        e.chain(np.arange(P - 1, -1, -1), n, False)
+        e.combined_chain(n)
     else:
         # Down: piece j flows from rank j to P-1 (rank v forwards pieces
         # 0..v-1, then sends its own); up: piece j flows from rank j to 0
@@ -157,4 +156,46 @@ def _rhd(e, kind, n, P):
 
 
 #: Algorithm name -> its schedule: ``schedule(engine, kind, nbytes, P)``.
-SCHEDULES = {"lp": _lp, "ring": _ring, "tree": _tree, "rhd": _rhd}
+def _oneshot(e, kind, n, P, root=0):
+    # Every rank's program (Runner::OneShot): per block, the sends to the
+    # other ranks in the order r+1, r+2, ..., then the receives in rank
+    # order; allreduce holds the first of the first two operands (no cost)
+    # and reduces the pair in one pass, then each further one, its own
+    # block in its place in the order.
+    b = e.b
+    total = n * P if kind == "allgather" else n
+    progs = [[] for _ in range(P)]
+    if kind == "allgather":
+        for s in [min(b, n - at) for at in range(0, n, b)]:
+            for r in range(P):
+                progs[r] += [("send", (r + i) % P, s) for i in range(1, P)]
+                progs[r] += [("recv", q, s, e.delta)
+                             for q in range(P) if q != r]
+        e.programs(progs)
+        return
+    for at in range(0, total, b):
+        s = min(b, total - at)
+        for r in range(P):
+            if kind == "broadcast":
+                if r == root:
+                    progs[r] += [("send", (r + i) % P, s) for i in range(1, P)]
+                else:
+                    progs[r].append(("recv", root, s, e.delta))
+                continue
+            if kind == "allreduce":
+                progs[r] += [("send", (r + i) % P, s) for i in range(1, P)]
+            elif r != root:
+                progs[r].append(("send", root, s))
+                continue
+            for q in range(P):
+                if q == r:
+                    if r >= 2:  # its own block, reduced in in rank order
+                        progs[r].append(("compute", s, e.gamma))
+                    continue
+                held = q == 0 and r >= 2  # held for the pair with rank 1
+                progs[r].append(("recv", q, s, 0.0 if held else e.gamma))
+    e.programs(progs)
+
+
+SCHEDULES = {"lp": _lp, "ring": _ring, "tree": _tree, "rhd": _rhd,
+             "oneshot": _oneshot}
