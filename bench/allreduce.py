@@ -64,11 +64,14 @@ their per-call times to a file, which the orchestrator collects:
     rank at the same time. The ``floor`` system is P processes (started
     like the others, so they share the cores and the memory bus the same
     way) doing exactly that with numpy: ``np.copyto`` for the copies and
-    ``np.add(a, b, out=c)`` for the adds, chunk by chunk, on a numpy input
-    and output and on inboxes mapped from files in /dev/shm (one per rank:
-    P slots of ceil(n/P) elements, slot j for what rank j sends). The ranks
-    do not wait for each other between the steps (a schedule that moves
-    data must, so the floor cannot be reached exactly), only for the sync
+    ``np.add(a, b, out=c)`` for the adds, on a numpy input and output and
+    on inboxes mapped from files in /dev/shm (one per rank: P slots of
+    ceil(n/P) elements, slot j for what rank j sends). The four steps run
+    block by block (``--floor-block``, 1 MiB of every chunk at a time; 0:
+    each step over whole chunks), as a pipelined schedule runs them, so
+    that a block's sum is still in cache when it is sent. The ranks do not
+    wait for each other between the steps (a schedule that moves data
+    must, so the floor cannot be reached exactly), only for the sync
     before each timed call, a one-byte barrier over loopback TCP; so its
     output is not the sum and is not checked.
 
