@@ -17,9 +17,17 @@ their per-call times to a file, which the orchestrator collects:
     Every process runs ``tf_rdma.start_endpoint(task, cluster)`` (no
     TensorFlow server, no client) and calls
     ``tf_rdma.collectives.all_reduce(x, algorithm=A, name=...)`` inside a
-    ``tf.function``, for A in lp, ring, tree, rhd and auto. Each (algorithm,
-    size) has its own instance name. ``TF_RDMA_TRANSPORT`` is passed on
-    (shm by default on one host: ``auto``).
+    ``tf.function``, for A in ``tf_rdma.collectives.ALGORITHMS`` (read at
+    run time) and auto. Each (algorithm, size) has its own instance name.
+    ``TF_RDMA_TRANSPORT`` is passed on (shm by default on one host:
+    ``auto``).
+``tf_rdma-empty`` (the dispatch; in the same processes and loop)
+    The same ``tf.function`` around ``all_reduce`` of ``tf.zeros([0])``
+    (``tree``, 64-byte blocks), timed in every round next to the others: what
+    calling a tf_rdma collective costs with no data to move (TensorFlow's op
+    dispatch and the op's own bookkeeping), which Open MPI through mpi4py
+    does not pay. Its entries have op ``dispatch``; ``size_bytes`` is the
+    size of the round it was timed in. Never a candidate for "best tf_rdma".
 ``mwms-ring``
     ``tf.distribute.MultiWorkerMirroredStrategy`` with
     ``CommunicationImplementation.RING`` (TensorFlow's collectives over
@@ -33,13 +41,47 @@ their per-call times to a file, which the orchestrator collects:
     (Open MPI picks its algorithm; on one host the data moves through its
     shared-memory transport, vader). Skipped, with the reason printed, when
     ``mpirun`` or mpi4py is missing.
+``floor`` (the copy floor)
+    The memcpy-bound cost of the bytes the bandwidth-optimal schedule
+    (reduce-scatter + allgather, as ring does it) must move and add, for an
+    out-of-place allreduce of n bytes whose input and output are each
+    rank's private memory and whose ranks exchange through shared memory.
+    Rank r owns chunk r (n/P bytes) of the result. Per rank, per call:
+
+    1. writes the P-1 chunks of its input that others own into their
+       owners' shared memory: (P-1)/P * n bytes copied;
+    2. reduces its own chunk: P-1 adds of n/P bytes (each reads two
+       operands and writes one), the first from its input and a peer's
+       chunk into its output, so its reduced chunk lands in its output:
+       (P-1)/P * n bytes added;
+    3. writes its reduced chunk into every peer's shared memory:
+       (P-1)/P * n bytes copied;
+    4. copies the P-1 reduced chunks it received into its output:
+       (P-1)/P * n bytes copied.
+
+    So 3 (P-1)/P * n bytes of copies and (P-1)/P * n bytes of adds per rank
+    (at P = 2 and 64 MiB: three 32 MiB copies and one 32 MiB add), every
+    rank at the same time. The ``floor`` system is P processes (started
+    like the others, so they share the cores and the memory bus the same
+    way) doing exactly that with numpy: ``np.copyto`` for the copies and
+    ``np.add(a, b, out=c)`` for the adds, on a numpy input and output and
+    on inboxes mapped from files in /dev/shm (one per rank: P slots of
+    ceil(n/P) elements, slot j for what rank j sends). The four steps run
+    block by block (``--floor-block``, 1 MiB of every chunk at a time; 0:
+    each step over whole chunks), as a pipelined schedule runs them, so
+    that a block's sum is still in cache when it is sent. The ranks do not
+    wait for each other between the steps (a schedule that moves data
+    must, so the floor cannot be reached exactly), only for the sync
+    before each timed call, a one-byte barrier over loopback TCP; so its
+    output is not the sum and is not checked.
 
 Timing, the same for every system: every rank builds its input once per
 size, calls each variant twice as warm-up (the first call traces the
 function and sets up the collective), then does --runs rounds; in a round
 every variant is timed once (variants interleaved, so a slow phase of the
 machine hits them all). Before every timed call the ranks synchronise with a
-4-byte allreduce of the same system (``MPI_Barrier`` for Open MPI), then
+4-byte allreduce of the same system (``MPI_Barrier`` for Open MPI, the TCP
+barrier for the floor), then
 each rank times its call until the result is there (for TensorFlow the
 eager call of the ``tf.function`` returns when its output is computed). The
 time of a run is the slowest rank's time (max over ranks: the allreduce is
@@ -52,6 +94,19 @@ every variant is compared element by element on every rank. A variant whose
 op fails is dropped from that set of processes; one that gives a wrong
 result keeps being called (so that the ranks stay in step) but is left out
 of the results; both are reported.
+
+After the tables come the check lines (printed, never asserted) of the
+targets, each with the numbers, the ratio, the target and "met", "MISSED"
+or "not measured", and where one is missed the bound the run has for it:
+
+* 64 MiB, P = 2: best tf_rdma >= 5x ``mwms-ring`` and >= 1.2x Open MPI
+  (the first targets);
+* issue 17: 64 MiB, P = 2: best tf_rdma <= 1.3x the floor and >= 1.8x
+  Open MPI; P = 4: >= 1.5x Open MPI; 1 MiB, P = 2 and 4: >= 1.5x Open MPI;
+  4 KiB and 64 KiB, P = 2 and 4: best tf_rdma - dispatch <= Open MPI's
+  time. The bounds: Open MPI / floor (how much faster than Open MPI a
+  tf_rdma at the floor would be) and Open MPI / dispatch (a call costs at
+  least its dispatch).
 """
 
 import argparse
@@ -62,34 +117,79 @@ import subprocess
 import sys
 import time
 
-from _harness.children import (add_local_cluster, add_process_arguments,
-                               make_tf_rdma_job, run_processes, work_dir,
-                               worker_env)
+from _harness.children import (REPO, add_local_cluster,
+                               add_process_arguments, make_tf_rdma_job,
+                               run_processes, work_dir, worker_env)
 from _harness.report import (Run, print_table, result_entry, save_json,
                              slowest_rank, verdict, write_json)
-from _harness.units import MiB, human_size, human_time, parse_size
+from _harness.units import KiB, MiB, human_size, human_time, parse_size
 from _harness.worker import (MWMS, group_cluster, mwms_ring,
                              set_tf_config)
 
-DEFAULT_SIZES = (MiB, 16 * MiB, 64 * MiB, 256 * MiB)
-QUICK_SIZES = (MiB, 64 * MiB)
+DEFAULT_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+QUICK_SIZES = (4 * KiB, MiB, 64 * MiB)
 DEFAULT_RANKS = (2, 4)
 QUICK_RANKS = (2,)
 DEFAULT_RUNS = 10
 QUICK_RUNS = 3
 WARMUP = 2
 
-ALGORITHMS = ("lp", "ring", "tree", "rhd", "auto")
-SYSTEM_KINDS = ("tf_rdma", "mwms", "mpi")
+
+
+def _tf_rdma_algorithms():
+    """``tf_rdma.collectives.ALGORITHMS`` of the checkout bench/ is in.
+
+    Importing it is cheap: tf_rdma.collectives imports TensorFlow only when
+    a collective is made. The checkout goes first on ``sys.path``, as on the
+    workers' PYTHONPATH, so that the orchestrator offers the algorithms the
+    workers have. Empty (and tf_rdma is then skipped with the reason) when
+    it cannot be imported.
+    """
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    try:
+        from tf_rdma.collectives import ALGORITHMS as found
+    except Exception:  # noqa: BLE001 -- _tf_rdma_missing says why
+        return ()
+    return tuple(found)
+
+
+# tf_rdma's explicit algorithms, then "auto" (the cost model's choice).
+ALGORITHMS = _tf_rdma_algorithms() + ("auto",)
+FLOOR = "floor"
+SYSTEM_KINDS = ("tf_rdma", "mwms", "mpi", FLOOR)
 OPENMPI = "openmpi"
+DISPATCH = "tf_rdma-empty"  # all_reduce of tf.zeros([0]): the dispatch
 OP = "allreduce"
+DISPATCH_OP = "dispatch"
+# What config.floor and config.dispatch of the JSON say.
+FLOOR_DEFINITION = (
+    "per rank, concurrently on P processes: 3 (P-1)/P n bytes of np.copyto "
+    "(its input's chunks into peers' /dev/shm inboxes, its reduced chunk "
+    "into theirs, their reduced chunks into its output) and (P-1)/P n bytes "
+    "of np.add(a, b, out=c) (its own chunk), the four steps block by block "
+    "(config.floor_block bytes of every chunk at a time; 0: whole chunks); "
+    "no waits between the steps; time = slowest rank after a TCP barrier")
+DISPATCH_DEFINITION = (
+    "tf_rdma-empty: all_reduce of tf.zeros([0]) (tree, 64-byte blocks) in "
+    "a tf.function, timed in the same rounds as the algorithms")
+SHM_DIR = "/dev/shm"  # where the floor's ranks map their inboxes
 MOD = 251  # the inputs are (i mod MOD) + rank: exact sums in float32
 
 LOG_PREFIX = "[allreduce] "
 
-# Targets from the issue, at 64 MiB and P = 2; printed, never asserted.
+# The first targets, at 64 MiB and P = 2; printed, never asserted.
 TARGET_VS_MWMS = 5.0
 TARGET_VS_MPI = 1.2
+# Issue 17's targets (printed, never asserted): best tf_rdma at most
+# TARGET_FLOOR x the floor at 64 MiB, P = 2; at least x Open MPI per
+# (size, P); best tf_rdma - dispatch at most Open MPI's time at the small
+# sizes.
+TARGET_FLOOR = 1.3
+TARGETS_VS_MPI = {(64 * MiB, 2): 1.8, (64 * MiB, 4): 1.5,
+                  (MiB, 2): 1.5, (MiB, 4): 1.5}
+DISPATCH_SIZES = (4 * KiB, 64 * KiB)
+DISPATCH_RANKS = (2, 4)
 # What the issue measured on its machine, printed next to the verdict.
 REFERENCE = {MWMS: 0.212, OPENMPI: 0.037}
 
@@ -101,7 +201,7 @@ def log(message):
 def system_names(kind, algorithms):
     if kind == "tf_rdma":
         return [f"tf_rdma-{a}" for a in algorithms]
-    return [MWMS if kind == "mwms" else OPENMPI]
+    return [{"mwms": MWMS, "mpi": OPENMPI, FLOOR: FLOOR}[kind]]
 
 
 # --- worker (one rank of one system) ---
@@ -133,12 +233,23 @@ class _Rank:
         base += np.float32(p * (p - 1) // 2)  # sum over ranks of rank
         return x, base  # the input and the expected sum
 
-    def run(self, variants_for_size, sync):
-        """variants_for_size(size, x) -> {name: call}; call() -> result."""
+    def run(self, variants_for_size, sync, expected_for=None):
+        """Times every variant at every size; saves the times.
+
+        Args:
+          variants_for_size: ``(size, x) -> {name: call}``; ``call()``
+            returns the variant's result.
+          sync: Called before every timed call: the ranks' barrier.
+          expected_for: ``(name, expected) -> array or None``: what the
+            result of variant ``name`` must equal, given the sum
+            (``expected``); None: not checked. Default: the sum.
+        """
         import numpy as np
         for size in self.args.sizes:
-            x, expected = self.inputs(size)
+            x, expected_sum = self.inputs(size)
             variants = variants_for_size(size, x)
+            expect = {name: (expected_for(name, expected_sum) if expected_for
+                             else expected_sum) for name in variants}
             times = {name: [] for name in variants}
 
             def error(name, message):
@@ -161,11 +272,18 @@ class _Rank:
                         del variants[name]
                         times.pop(name)
                         continue
-                    if r == 0 or r == WARMUP + self.args.runs - 1:
+                    expected = expect[name]
+                    if expected is not None and (
+                            r == 0 or r == WARMUP + self.args.runs - 1):
                         got = np.asarray(y).reshape(-1)
-                        if not np.array_equal(got, expected):
-                            # Reported (and left out of the results), but
-                            # still called, so that the ranks stay in step.
+                        # A wrong result is reported (and left out of the
+                        # results), but still called, so that the ranks
+                        # stay in step.
+                        if got.shape != expected.shape:
+                            error(name, f"wrong result: {got.size} "
+                                        f"elements, expected "
+                                        f"{expected.size}")
+                        elif not np.array_equal(got, expected):
                             bad = int(np.argmax(got != expected))
                             error(name, f"wrong result: element {bad} is "
                                         f"{float(got[bad])}, expected "
@@ -177,12 +295,13 @@ class _Rank:
             for name, ts in times.items():
                 self.doc["times"].setdefault(name, {})[str(size)] = ts
             self.save()  # partial results survive a later timeout
-            del variants, x, expected
+            del variants, x, expected_sum, expect
         self.doc["done"] = True
         self.save()
 
 
 def worker_tf_rdma(args):
+    import numpy as np
     import tensorflow as tf
 
     import tf_rdma
@@ -217,13 +336,32 @@ def worker_tf_rdma(args):
                                 block_bytes=args.block_bytes)
         return fn
 
+    empty = tf.zeros([0], tf.float32)
+
+    def make_empty(size):
+        # The dispatch: the same function and call as a variant, with no
+        # data (tree with small blocks: the cost model has no choice to make
+        # for 0 bytes).
+        name = f"bench_allreduce_empty_{size}"
+
+        @tf.function(autograph=False)
+        def fn(t):
+            return C.all_reduce(t, algorithm="tree", name=name,
+                                block_bytes=64)
+        return fn
+
     def variants_for_size(size, x_np):
         x = tf.constant(x_np)
         out = {}
         for alg in args.algorithms:
             fn = make(alg, size)
             out[f"tf_rdma-{alg}"] = lambda fn=fn: fn(x)
+        fn = make_empty(size)
+        out[DISPATCH] = lambda: fn(empty)
         return out
+
+    def expected_for(name, expected):
+        return np.zeros([0], np.float32) if name == DISPATCH else expected
 
     sync()
     if args.calibrate and hasattr(C, "calibrate"):
@@ -241,7 +379,7 @@ def worker_tf_rdma(args):
         except Exception as err:  # noqa: BLE001 -- informational only
             me.doc["info"]["auto_choice"] = f"unknown ({err})"
     me.save()
-    me.run(variants_for_size, sync)
+    me.run(variants_for_size, sync, expected_for)
 
 
 def worker_mwms(args):
@@ -311,9 +449,156 @@ def worker_mpi(args):
     comm.Barrier()
 
 
+class _TcpBarrier:
+    """A barrier of P processes over loopback TCP (the floor's sync).
+
+    Rank 0 listens on ``address`` and keeps one connection per other rank;
+    a barrier is one byte from every other rank to rank 0, then one byte
+    back to each.
+    """
+
+    def __init__(self, rank, nranks, address, timeout=120.0):
+        import socket
+        host, port = address.rsplit(":", 1)
+        self.rank = rank
+        self.peers = []
+        if rank == 0:
+            with socket.create_server((host, int(port)),
+                                      backlog=nranks) as server:
+                server.settimeout(timeout)
+                for _ in range(nranks - 1):
+                    conn, _ = server.accept()
+                    self.peers.append(conn)
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    conn = socket.create_connection((host, int(port)),
+                                                    timeout=timeout)
+                    break
+                except ConnectionRefusedError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)  # rank 0 is not listening yet
+            self.peers.append(conn)
+        for conn in self.peers:
+            conn.settimeout(timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @staticmethod
+    def _recv1(conn):
+        if not conn.recv(1):
+            raise ConnectionError("a rank of the floor closed its barrier "
+                                  "connection (it exited)")
+
+    def __call__(self):
+        if self.rank == 0:
+            for conn in self.peers:
+                self._recv1(conn)
+            for conn in self.peers:
+                conn.sendall(b"g")
+        else:
+            self.peers[0].sendall(b"a")
+            self._recv1(self.peers[0])
+
+    def close(self):
+        for conn in self.peers:
+            conn.close()
+
+
+def _map_inbox(path, nbytes, create):
+    """A float32 numpy array over the /dev/shm file ``path`` (made if
+    ``create``, of ``nbytes``)."""
+    import mmap
+
+    import numpy as np
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)  # the mapping keeps the file's memory
+    return np.frombuffer(mm, dtype=np.float32)
+
+
+def worker_floor(args):
+    """One rank of the copy floor: the memory work of a ring allreduce."""
+    import numpy as np
+
+    rank, nranks = args.rank, args.nranks
+    me = _Rank(args, rank, nranks, FLOOR)
+    me.doc["info"] = {"numpy": np.__version__}
+    me.save()
+    barrier = _TcpBarrier(rank, nranks, group_cluster()["worker"][0])
+    # Rank r's inbox: P slots of ceil(n/P) elements for the largest n;
+    # slot j holds what rank j writes there (a chunk of its input, then its
+    # reduced chunk).
+    slot = -(-max(args.sizes) // 4 // nranks)
+    paths = [os.path.join(SHM_DIR, f"{args.shm_prefix}.{j}")
+             for j in range(nranks)]
+    mine = _map_inbox(paths[rank], nranks * slot * 4, create=True)
+    barrier()  # every inbox exists
+    inbox = [mine if j == rank else
+             _map_inbox(paths[j], nranks * slot * 4, create=False)
+             for j in range(nranks)]
+    inbox = [a.reshape(nranks, slot) for a in inbox]
+    barrier()  # every rank has mapped every inbox: the files can go
+    os.unlink(paths[rank])
+    peers = [j for j in range(nranks) if j != rank]
+
+    def variants_for_size(size, x):
+        n = x.size
+        start = [j * n // nranks for j in range(nranks + 1)]
+        length = [start[j + 1] - start[j] for j in range(nranks)]
+        out = np.empty_like(x)
+        step = args.floor_block // 4 or max(length)
+        # The four steps, block by block: [b, b + step) of every chunk at a
+        # time, the steps of a block one after the other, as a pipelined
+        # schedule runs them. The views are made here, not in the call.
+        steps = []
+        for b in range(0, max(length), step):
+            def part(j, b=b):
+                e = max(b, min(length[j], b + step))
+                return slice(b, e), slice(start[j] + b, start[j] + e)
+            parts = [part(j) for j in range(nranks)]
+            in_slot, own = parts[rank]
+            # 1. Scatter: my input's part of chunk j into rank j's inbox,
+            #    my slot.
+            steps += [(np.copyto, inbox[j][rank, parts[j][0]],
+                       x[parts[j][1]]) for j in peers]
+            # 2. Reduce my chunk's part: P-1 adds into my output, the first
+            #    from my input.
+            first = x[own]
+            for j in peers:
+                steps.append((np.add, first, inbox[rank][j, in_slot],
+                              out[own]))
+                first = out[own]
+            # 3. Allgather: my reduced part into every peer's inbox.
+            steps += [(np.copyto, inbox[j][rank, in_slot], out[own])
+                      for j in peers]
+            # 4. The peers' reduced parts from my inbox into my output.
+            steps += [(np.copyto, out[parts[j][1]],
+                       inbox[rank][j, parts[j][0]]) for j in peers]
+
+        def call():
+            for op, *operands in steps:
+                op(*operands)
+            return out
+        return {FLOOR: call}
+
+    barrier()
+    # The ranks do not wait for each other between the steps: the output is
+    # not the sum, and is not checked.
+    me.run(variants_for_size, barrier, lambda name, expected: None)
+    barrier()
+    barrier.close()
+
+
 def worker_main(args):
     return {"tf_rdma": worker_tf_rdma, "mwms": worker_mwms,
-            "mpi": worker_mpi}[args.worker](args) or 0
+            "mpi": worker_mpi, FLOOR: worker_floor}[args.worker](args) or 0
 
 
 # --- orchestrator ---
@@ -363,6 +648,10 @@ def run_group(kind, nranks, args, workdir):
             worker.append("--no-calibrate")
         if args.block_bytes:
             worker += ["--block-bytes", str(args.block_bytes)]
+    shm_prefix = f"tf_rdma_bench_floor_{os.getpid()}_P{nranks}"
+    if kind == FLOOR:
+        worker += ["--shm-prefix", shm_prefix, "--floor-block",
+                   str(args.floor_block)]
     if kind == "mpi":
         cmds = [["mpirun", "--allow-run-as-root", "--oversubscribe",
                  "-n", str(nranks)] + worker]
@@ -371,8 +660,16 @@ def run_group(kind, nranks, args, workdir):
         if kind == "tf_rdma":
             make_tf_rdma_job(env, args.transport)
         cmds = [worker + ["--rank", str(r)] for r in range(nranks)]
-    return run_processes(f"{kind} P={nranks}", cmds, env, out, args.timeout,
-                         log, args.verbose)
+    try:
+        return run_processes(f"{kind} P={nranks}", cmds, env, out,
+                             args.timeout, log, args.verbose)
+    finally:
+        if kind == FLOOR:  # what a rank that failed early left behind
+            for r in range(nranks):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, f"{shm_prefix}.{r}"))
+                except FileNotFoundError:
+                    pass
 
 
 def combine(docs, nranks):
@@ -401,10 +698,12 @@ def combine(docs, nranks):
                 continue  # some rank has no times: the variant failed there
             per_run = slowest_rank(per_rank)
             rank0 = next(d for d in docs if d["rank"] == 0)
+            extra = {"payload_bytes": 0} if name == DISPATCH else {}
             results.append(result_entry(
-                name, OP, size, per_run, nranks,
-                rank0_median_s=statistics.median(
-                    rank0["times"][name][str(size)][:len(per_run)])))
+                name, DISPATCH_OP if name == DISPATCH else OP, size, per_run,
+                nranks, rank0_median_s=statistics.median(
+                    rank0["times"][name][str(size)][:len(per_run)]),
+                **extra))
     return results, errors
 
 
@@ -414,63 +713,204 @@ def busbw(size, nranks, seconds):
 
 
 def best_tf_rdma(by, size, nranks):
+    """(median, system) of the fastest tf_rdma algorithm, or (None, None).
+
+    The dispatch (``tf_rdma-empty``) is no algorithm: never the best.
+    """
     found = [(r["median_s"], s) for (s, sz, p), r in by.items()
-             if s.startswith("tf_rdma-") and sz == size and p == nranks]
+             if s.startswith("tf_rdma-") and s != DISPATCH and sz == size
+             and p == nranks]
     return min(found) if found else (None, None)
 
 
+def _index(results):
+    return {(r["system"], r["size_bytes"], r["P"]): r for r in results}
+
+
+def _median(by, system, size, nranks):
+    r = by.get((system, size, nranks))
+    return r["median_s"] if r else None
+
+
 def print_tables(results, sizes, ranks):
-    by = {(r["system"], r["size_bytes"], r["P"]): r for r in results}
+    by = _index(results)
     order = system_names("tf_rdma", ALGORITHMS) + [MWMS, OPENMPI]
     present = [s for s in order if any(r["system"] == s for r in results)]
+    extra = [(s, title) for s, title in ((DISPATCH, "dispatch"),
+                                         (FLOOR, "floor"))
+             if any(r["system"] == s for r in results)]
     for nranks in ranks:
         if not any(r["P"] == nranks for r in results):
             continue
         print()
         print(f"allreduce (sum, float32), P = {nranks}: median time per "
               f"call, slowest rank")
-        header = ["size"] + present + ["best tf_rdma", "busbw GB/s",
-                                       "vs mwms", "vs openmpi"]
+        header = (["size"] + present + [title for _, title in extra]
+                  + ["best tf_rdma", "busbw GB/s", "vs mwms", "vs openmpi",
+                     "best/floor"])
         rows = []
         for size in sizes:
             row = [human_size(size)]
-            for s in present:
-                r = by.get((s, size, nranks))
-                row.append(human_time(r["median_s"]) if r else "-")
+            for s in present + [s for s, _ in extra]:
+                row.append(human_time(_median(by, s, size, nranks)))
             best, name = best_tf_rdma(by, size, nranks)
-            mwms = by.get((MWMS, size, nranks))
-            mpi = by.get((OPENMPI, size, nranks))
+            mwms = _median(by, MWMS, size, nranks)
+            mpi = _median(by, OPENMPI, size, nranks)
+            floor = _median(by, FLOOR, size, nranks)
             row.append(name[len("tf_rdma-"):] if name else "-")
             row.append(f"{busbw(size, nranks, best):.2f}" if best else "-")
-            row.append(f"{mwms['median_s'] / best:.1f}x"
-                       if best and mwms else "-")
-            row.append(f"{mpi['median_s'] / best:.2f}x"
-                       if best and mpi else "-")
+            row.append(f"{mwms / best:.1f}x" if best and mwms else "-")
+            row.append(_times(mpi / best) if best and mpi else "-")
+            row.append(_times(best / floor) if best and floor else "-")
             rows.append(row)
         print_table(header, rows)
 
 
-def check_lines(results):
-    """The issue's targets at 64 MiB, P = 2 (printed, never asserted)."""
-    by = {(r["system"], r["size_bytes"], r["P"]): r for r in results}
+def _times(x):
+    """A ratio: "1.52x"; two significant digits below 0.1 ("0.0037x")."""
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
+
+
+def _check(size, nranks, target, ratio, ok, line, measured, bound=None):
+    """One check: its line and what the JSON keeps of it.
+
+    ``ok`` None: not measured (``ratio`` is then None too).
+    """
+    word = "not measured" if ok is None else verdict(ok)
+    text = f"{human_size(size)}, P={nranks}: {line}: {word}"
+    if bound and ok is False:
+        text += f"; bound: {bound}"
+    return {"size_bytes": size, "P": nranks, "target": target,
+            "ratio": ratio, "verdict": word, "measured": measured,
+            "bound": bound if ok is False else None, "line": text}
+
+
+def _best_text(best, name):
+    return f"best tf_rdma ({name[len('tf_rdma-'):]}) {human_time(best)}"
+
+
+def _mpi_bound(mpi, floor, dispatch):
+    """What caps best tf_rdma's speedup over Open MPI: a call costs at least
+    the floor's copies and at least its dispatch."""
+    parts = []
+    if floor:
+        parts.append(f"{OPENMPI} / floor = {human_time(mpi)} / "
+                     f"{human_time(floor)} = {_times(mpi / floor)} (a tf_rdma "
+                     f"at the floor would be that much faster; at "
+                     f"{TARGET_FLOOR:g}x the floor "
+                     f"{_times(mpi / (TARGET_FLOOR * floor))})")
+    if dispatch:
+        parts.append(f"{OPENMPI} / dispatch = {human_time(mpi)} / "
+                     f"{human_time(dispatch)} = {_times(mpi / dispatch)} (a "
+                     f"call costs at least its dispatch)")
+    return "; ".join(parts) or None
+
+
+def checks(results):
+    """Every target's check: the numbers, the ratio and the verdict.
+
+    Printed, never asserted. Returns dicts with ``size_bytes``, ``P``,
+    ``target``, ``ratio``, ``verdict`` ("met", "MISSED" or "not
+    measured"), ``measured`` (the medians it used), ``bound`` (when
+    missed and the run has one) and ``line`` (what is printed).
+    """
+    by = _index(results)
+    out = []
+
+    # The first targets: 64 MiB, P = 2, against MWMS and Open MPI.
     size, nranks = 64 * MiB, 2
     best, name = best_tf_rdma(by, size, nranks)
-    if best is None:
-        return ["64 MiB, P=2: no tf_rdma result, no verdict"]
-    lines = []
     for system, target in ((MWMS, TARGET_VS_MWMS), (OPENMPI, TARGET_VS_MPI)):
-        r = by.get((system, size, nranks))
-        ref = (f"; reference machine: {human_time(REFERENCE[system])}")
-        if r is None:
-            lines.append(f"64 MiB, P=2: tf_rdma best ({name}) "
-                         f"{human_time(best)} vs {system}: not measured "
-                         f"(target >= {target:g}x){ref}")
+        other = _median(by, system, size, nranks)
+        ref = f" (reference machine: {human_time(REFERENCE[system])})"
+        goal = f"best tf_rdma >= {target:g}x {system}"
+        if best is None or other is None:
+            missing = "tf_rdma" if best is None else system
+            out.append(_check(size, nranks, goal, None, None,
+                              f"{goal}: no {missing} result" + ref,
+                              {"best_tf_rdma_s": best, f"{system}_s": other}))
             continue
-        x = r["median_s"] / best
-        lines.append(f"64 MiB, P=2: tf_rdma best ({name}) {human_time(best)}"
-                     f" vs {system} {human_time(r['median_s'])}: {x:.2f}x "
-                     f"(target >= {target:g}x): {verdict(x >= target)}{ref}")
-    return lines
+        x = other / best
+        out.append(_check(
+            size, nranks, goal, x, x >= target,
+            f"{_best_text(best, name)} vs {system} {human_time(other)}: "
+            f"{_times(x)} (target >= {target:g}x){ref}",
+            {"best_tf_rdma_s": best, "best": name, f"{system}_s": other}))
+
+    # Issue 17: 64 MiB, P = 2, against the floor.
+    floor = _median(by, FLOOR, size, nranks)
+    goal = f"best tf_rdma <= {TARGET_FLOOR:g}x the floor"
+    measured = {"best_tf_rdma_s": best, "best": name, "floor_s": floor}
+    if best is None or floor is None:
+        missing = "tf_rdma" if best is None else "floor"
+        out.append(_check(size, nranks, goal, None, None,
+                          f"{goal}: no {missing} result", measured))
+    else:
+        x = best / floor
+        out.append(_check(
+            size, nranks, goal, x, x <= TARGET_FLOOR,
+            f"{_best_text(best, name)} vs floor {human_time(floor)}: "
+            f"{_times(x)} the floor (target <= {TARGET_FLOOR:g}x)", measured))
+
+    # Issue 17: speedups over Open MPI.
+    for (size, nranks), target in TARGETS_VS_MPI.items():
+        best, name = best_tf_rdma(by, size, nranks)
+        mpi = _median(by, OPENMPI, size, nranks)
+        floor = _median(by, FLOOR, size, nranks)
+        dispatch = _median(by, DISPATCH, size, nranks)
+        goal = f"best tf_rdma >= {target:g}x {OPENMPI}"
+        measured = {"best_tf_rdma_s": best, "best": name,
+                    f"{OPENMPI}_s": mpi, "floor_s": floor,
+                    "dispatch_s": dispatch}
+        if best is None or mpi is None:
+            missing = "tf_rdma" if best is None else OPENMPI
+            out.append(_check(size, nranks, goal, None, None,
+                              f"{goal}: no {missing} result", measured))
+            continue
+        x = mpi / best
+        out.append(_check(
+            size, nranks, goal, x, x >= target,
+            f"{_best_text(best, name)} vs {OPENMPI} {human_time(mpi)}: "
+            f"{_times(x)} (target >= {target:g}x)", measured,
+            _mpi_bound(mpi, floor, dispatch)))
+
+    # Issue 17: small sizes, the dispatch taken off.
+    for size in DISPATCH_SIZES:
+        for nranks in DISPATCH_RANKS:
+            best, name = best_tf_rdma(by, size, nranks)
+            mpi = _median(by, OPENMPI, size, nranks)
+            dispatch = _median(by, DISPATCH, size, nranks)
+            floor = _median(by, FLOOR, size, nranks)
+            goal = f"best tf_rdma - dispatch <= {OPENMPI}'s time"
+            measured = {"best_tf_rdma_s": best, "best": name,
+                        "dispatch_s": dispatch, f"{OPENMPI}_s": mpi,
+                        "floor_s": floor}
+            if best is None or mpi is None or dispatch is None:
+                missing = ("tf_rdma" if best is None else
+                           OPENMPI if mpi is None else DISPATCH)
+                out.append(_check(size, nranks, goal, None, None,
+                                  f"{goal}: no {missing} result", measured))
+                continue
+            net = best - dispatch
+            x = net / mpi
+            bound = (f"the dispatch alone {human_time(dispatch)} is "
+                     f"{_times(dispatch / mpi)} {OPENMPI}'s "
+                     f"{human_time(mpi)} (not counted by the target)")
+            if floor:
+                bound += (f"; floor {human_time(floor)} = "
+                          f"{_times(floor / mpi)} {OPENMPI}'s time")
+            out.append(_check(
+                size, nranks, goal, x, net <= mpi,
+                f"{_best_text(best, name)} - dispatch "
+                f"{human_time(dispatch)} = {human_time(net)} vs {OPENMPI} "
+                f"{human_time(mpi)}: {_times(x)} its time (target <= 1x)",
+                measured, bound))
+    return out
+
+
+def check_lines(results):
+    """The lines of ``checks`` (printed, never asserted)."""
+    return [c["line"] for c in checks(results)]
 
 
 def orchestrate(args):
@@ -513,7 +953,8 @@ def orchestrate(args):
                         f"{human_time(r['median_s'])} (min "
                         f"{human_time(r['min_s'])})")
     order = {s: i for i, s in enumerate(
-        system_names("tf_rdma", ALGORITHMS) + [MWMS, OPENMPI])}
+        system_names("tf_rdma", ALGORITHMS) + [DISPATCH, MWMS, OPENMPI,
+                                               FLOOR])}
     results.sort(key=lambda r: (r["P"], r["size_bytes"],
                                 order.get(r["system"], 99)))
     for kind in SYSTEM_KINDS:
@@ -538,8 +979,9 @@ def orchestrate(args):
               f"P={e['P']} (rank {e['rank']}): {e['error']}")
     for f in failed:
         print(f"FAILED {f['system']} P={f['P']}: {f['why']}")
-    for line in check_lines(results):
-        print("check: " + line)
+    verdicts = checks(results)
+    for check in verdicts:
+        print("check: " + check["line"])
     run.finish()
     if args.json:
         config = {"runs": args.runs, "warmup": WARMUP,
@@ -558,8 +1000,12 @@ def orchestrate(args):
                   "auto": auto,
                   "skipped": skipped, "failed": failed,
                   "errors": errors,
+                  "floor": FLOOR_DEFINITION,
+                  "floor_block": args.floor_block,
+                  "dispatch": DISPATCH_DEFINITION,
                   **run.timing()}
-        write_json(args.json, run.document(config, results))
+        write_json(args.json, run.document(config, results,
+                                           checks=verdicts))
         print(f"wrote {args.json}")
     return 1 if failed or errors else 0
 
@@ -567,19 +1013,26 @@ def orchestrate(args):
 # --- main ---
 
 
+def _block_size(text):
+    """--floor-block: a size as for --sizes, or 0 (no blocks)."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python bench/allreduce.py",
-        description="Allreduce benchmark: tf_rdma collectives (lp, ring, "
-                    "tree, rhd, auto) vs MultiWorkerMirroredStrategy (RING, "
-                    "gRPC) vs Open MPI (mpi4py), P local processes.",
+        description=f"Allreduce benchmark: tf_rdma collectives "
+                    f"({', '.join(ALGORITHMS)}) and the dispatch of an "
+                    f"empty one vs MultiWorkerMirroredStrategy (RING, gRPC) "
+                    f"vs Open MPI (mpi4py) vs the copy floor (numpy over "
+                    f"/dev/shm), P local processes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="See bench/README.md for how it measures.")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results as JSON to PATH")
     parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
-                        help="tensor sizes (1M 16M 64M 256M by default; "
-                             "--quick: 1M 64M)")
+                        help="tensor sizes (4K 64K 1M 16M 64M 256M by "
+                             "default; --quick: 4K 1M 64M)")
     parser.add_argument("--ranks", nargs="+", type=int, metavar="P",
                         help="process counts (2 4 by default; --quick: 2)")
     parser.add_argument("--runs", type=int, metavar="N",
@@ -587,14 +1040,16 @@ def build_parser():
                              f"warm-up calls (default {DEFAULT_RUNS}; "
                              f"--quick: {QUICK_RUNS})")
     parser.add_argument("--quick", action="store_true",
-                        help="1 MiB and 64 MiB, P = 2, few runs (a smoke "
-                             "run, about 2 minutes)")
+                        help="4 KiB, 1 MiB and 64 MiB, P = 2, few runs (a "
+                             "smoke run, about 2 minutes)")
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS,
                         default=list(ALGORITHMS),
-                        help="tf_rdma algorithms (default: all, and auto)")
+                        help="tf_rdma algorithms, from "
+                             "tf_rdma.collectives.ALGORITHMS and auto "
+                             "(default: all)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_KINDS,
                         default=list(SYSTEM_KINDS),
-                        help="systems to measure (default: all three)")
+                        help="systems to measure (default: all four)")
     parser.add_argument("--transport", choices=("auto", "shm", "tcp", "verbs"),
                         help="TF_RDMA_TRANSPORT for the tf_rdma processes "
                              "(default: the environment's, else auto = shm "
@@ -611,6 +1066,14 @@ def build_parser():
                         help="hard limit per set of processes in seconds "
                              "(default 900; --quick 300)")
     add_process_arguments(parser, SYSTEM_KINDS)
+    parser.add_argument("--floor-block", type=_block_size, default=MiB,
+                        metavar="SIZE",
+                        help="the floor's block: it runs its four steps "
+                             "block by block, SIZE of every chunk at a time, "
+                             "as a pipelined schedule does (default 1M; 0: "
+                             "each step over whole chunks)")
+    # Internal: the floor's /dev/shm file names (PREFIX.<rank>).
+    parser.add_argument("--shm-prefix", help=argparse.SUPPRESS)
     return parser
 
 

@@ -1,0 +1,164 @@
+"""The arithmetic of bench/allreduce.py's report, and its copy floor.
+
+Speed targets live in bench/, not in timed tests: these check that the
+check lines are computed right from the results they are given, that the
+dispatch of an empty collective is never "best tf_rdma", and that the
+algorithms come from tf_rdma.collectives. The bench runs here only as its
+floor (P numpy processes, no TensorFlow: about a second), to check that the
+floor's ranks run, report and leave nothing in /dev/shm.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+KiB = 1024
+MiB = 1024 * KiB
+_BENCH = os.path.join(REPO, "bench")
+_PATH = os.path.join(_BENCH, "allreduce.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_allreduce", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    # bench/allreduce.py imports bench/_harness, which `python
+    # bench/allreduce.py` finds next to the script.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(_BENCH)
+        spec.loader.exec_module(module)
+    return module
+
+
+def entry(system, size, median, P=2):
+    return {"system": system, "op": "allreduce", "size_bytes": size, "P": P,
+            "median_s": median, "min_s": median, "runs": 5}
+
+
+def by_target(checks, size, P, target):
+    found = [c for c in checks if c["size_bytes"] == size and c["P"] == P
+             and c["target"] == target]
+    assert len(found) == 1, (size, P, target, checks)
+    return found[0]
+
+
+def test_algorithms_come_from_tf_rdma_without_tensorflow():
+    # A fresh interpreter: the bench's ALGORITHMS is tf_rdma's, plus auto,
+    # and reading it does not import TensorFlow.
+    code = ("import sys; sys.path.insert(0, 'bench'); import allreduce; "
+            "import tf_rdma.collectives as C; "
+            "assert allreduce.ALGORITHMS == tuple(C.ALGORITHMS) + ('auto',),"
+            " allreduce.ALGORITHMS; "
+            "assert 'tensorflow' not in sys.modules; "
+            "print(' '.join(allreduce.ALGORITHMS))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "auto"
+
+
+def test_the_dispatch_is_never_the_best_algorithm(bench):
+    results = [entry("tf_rdma-ring", 4 * KiB, 300e-6),
+               entry("tf_rdma-lp", 4 * KiB, 200e-6),
+               entry(bench.DISPATCH, 4 * KiB, 100e-6)]
+    by = {(r["system"], r["size_bytes"], r["P"]): r for r in results}
+    assert bench.best_tf_rdma(by, 4 * KiB, 2) == (200e-6, "tf_rdma-lp")
+
+
+def test_64m_checks_against_the_floor_and_openmpi(bench):
+    size = 64 * MiB
+    results = [entry("tf_rdma-ring", size, 24e-3),
+               entry("tf_rdma-lp", size, 20e-3),
+               entry(bench.OPENMPI, size, 35e-3),
+               entry(bench.FLOOR, size, 16e-3),
+               entry("tf_rdma-ring", size, 60e-3, P=4),
+               entry(bench.OPENMPI, size, 100e-3, P=4),
+               entry(bench.FLOOR, size, 40e-3, P=4)]
+    checks = bench.checks(results)
+    floor = by_target(checks, size, 2, "best tf_rdma <= 1.3x the floor")
+    assert floor["ratio"] == pytest.approx(20 / 16)
+    assert floor["verdict"] == "met"
+    assert floor["measured"]["best"] == "tf_rdma-lp"
+    mpi = by_target(checks, size, 2, "best tf_rdma >= 1.8x openmpi")
+    assert mpi["ratio"] == pytest.approx(35 / 20)
+    assert mpi["verdict"] == "MISSED"
+    # The bound: Open MPI / floor, and at 1.3x the floor.
+    assert "35.00 ms / 16.00 ms = 2.19x" in mpi["bound"]
+    assert "1.3x the floor 1.68x" in mpi["bound"]
+    assert mpi["line"].endswith("MISSED; bound: " + mpi["bound"])
+    p4 = by_target(checks, size, 4, "best tf_rdma >= 1.5x openmpi")
+    assert p4["ratio"] == pytest.approx(100 / 60)
+    assert p4["verdict"] == "met" and p4["bound"] is None
+    # The first targets are still there: no MWMS here.
+    mwms = by_target(checks, size, 2, "best tf_rdma >= 5x mwms-ring")
+    assert mwms["verdict"] == "not measured" and mwms["ratio"] is None
+    assert by_target(checks, size, 2, "best tf_rdma >= 1.2x openmpi")[
+        "verdict"] == "met"
+
+
+def test_small_sizes_take_the_dispatch_off(bench):
+    results = [entry("tf_rdma-ring", 4 * KiB, 120e-6),
+               entry(bench.DISPATCH, 4 * KiB, 100e-6),
+               entry(bench.OPENMPI, 4 * KiB, 25e-6),
+               entry("tf_rdma-ring", 64 * KiB, 150e-6),
+               entry(bench.DISPATCH, 64 * KiB, 100e-6),
+               entry(bench.OPENMPI, 64 * KiB, 30e-6),
+               entry(bench.FLOOR, 64 * KiB, 10e-6)]
+    checks = bench.checks(results)
+    target = "best tf_rdma - dispatch <= openmpi's time"
+    met = by_target(checks, 4 * KiB, 2, target)
+    assert met["ratio"] == pytest.approx(20 / 25)
+    assert met["verdict"] == "met" and met["bound"] is None
+    missed = by_target(checks, 64 * KiB, 2, target)
+    assert missed["ratio"] == pytest.approx(50 / 30)
+    assert missed["verdict"] == "MISSED"
+    assert "dispatch alone 100.0 us is 3.33x openmpi's 30.0 us" in \
+        missed["bound"]
+    assert "floor 10.0 us = 0.33x" in missed["bound"]
+    # P = 4 was not run: not measured, no verdict.
+    assert by_target(checks, 4 * KiB, 4, target)["verdict"] == \
+        "not measured"
+
+
+def test_1m_bound_names_the_floor_and_the_dispatch(bench):
+    results = [entry("tf_rdma-rhd", MiB, 1e-3),
+               entry(bench.DISPATCH, MiB, 600e-6),
+               entry(bench.OPENMPI, MiB, 200e-6),
+               entry(bench.FLOOR, MiB, 70e-6)]
+    check = by_target(bench.checks(results), MiB, 2,
+                      "best tf_rdma >= 1.5x openmpi")
+    assert check["ratio"] == pytest.approx(0.2)
+    assert check["verdict"] == "MISSED"
+    assert "openmpi / floor = 200.0 us / 70.0 us = 2.86x" in check["bound"]
+    assert "openmpi / dispatch = 200.0 us / 600.0 us = 0.33x" in \
+        check["bound"]
+
+
+def test_floor_runs_and_leaves_no_shared_memory(tmp_path):
+    before = set(glob.glob("/dev/shm/tf_rdma_bench_floor_*"))
+    out = tmp_path / "floor.json"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, _PATH, "--systems", "floor", "--sizes", "4K", "64K",
+         "--ranks", "2", "3", "--runs", "2", "--floor-block", "16K",
+         "--json", str(out), "--timeout", "120"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    got = {(r["system"], r["size_bytes"], r["P"]) for r in doc["results"]}
+    assert got == {("floor", s, p) for s in (4 * KiB, 64 * KiB)
+                   for p in (2, 3)}
+    assert all(r["median_s"] > 0 and r["runs"] == 2 for r in doc["results"])
+    assert doc["config"]["floor_block"] == 16 * KiB
+    assert "np.copyto" in doc["config"]["floor"]
+    assert doc["checks"] and all(c["verdict"] == "not measured"
+                                 for c in doc["checks"])
+    assert "floor" in proc.stdout
+    assert set(glob.glob("/dev/shm/tf_rdma_bench_floor_*")) == before
