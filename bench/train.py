@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Data-parallel training throughput: tf_rdma.distribute.RdmaStrategy vs
-MultiWorkerMirroredStrategy, P local worker processes.
+MultiWorkerMirroredStrategy, P local worker processes, and their scaling
+against the same step without communication.
 
 Usage::
 
@@ -8,10 +9,10 @@ Usage::
 
 The script is its own orchestrator and never imports TensorFlow itself. For
 each system it starts P worker processes (this file again, in ``--worker``
-mode) with ``TF_CONFIG`` set per process (cluster ports from
-``tf_rdma.cluster.free_ports``) and a hard time limit; every worker trains
-the same Keras model under the strategy and writes its step times and
-losses to a file, which the orchestrator collects.
+mode) under a hard time limit, the strategies' workers with ``TF_CONFIG``
+set per process (cluster ports from ``tf_rdma.cluster.free_ports``); every
+worker trains the same Keras model under its strategy and writes its step
+times and losses to a file, which the orchestrator collects.
 
 ``mwms-ring``
     ``tf.distribute.MultiWorkerMirroredStrategy`` with
@@ -22,6 +23,25 @@ losses to a file, which the orchestrator collects.
     ``tf_rdma.distribute.RdmaStrategy(algorithm=..., bucket_bytes=...)``
     (``--algorithm``, default auto; ``--bucket-bytes``, default the
     strategy's), used the same way; ``TF_RDMA_SECRET`` is set for the job.
+``nocomm``
+    No communication, P workers: P worker processes started the same way
+    (same model, per-worker batch, loop, seeds and data, the loss still
+    scaled by the global batch), each under the default strategy and
+    applying its own gradients: the step with the gradient sum skipped, the
+    P workers sharing the cores as the strategies' workers do. They share
+    no collective, so files in the work folder line them up outside the
+    timed steps: every rank starts its timed steps once all have warmed up
+    and keeps stepping, untimed, until all have finished theirs. The
+    reference of the scaling.
+``local``
+    One process alone on the machine, the default strategy, the
+    per-replica batch: the step without communication and without sharing
+    the cores.
+
+Scaling = nocomm's step time / a strategy's (the fraction of the
+communication-free throughput it keeps, same P and batch); the issue's
+target is RdmaStrategy >= 85% at P = 2, printed as a check line, with
+MWMS's for context.
 
 The model is communication-bound on purpose: a multilayer perceptron with
 large dense layers (by default 1024-4096-4096-1024-10, 25.2 M parameters,
@@ -74,10 +94,12 @@ from _harness.units import human_time
 from _harness.worker import (MWMS, group_cluster, mwms_ring,
                              set_tf_config)
 
-SYSTEM_KINDS = ("mwms", "tf_rdma", "tf_rdma_dense", "local")
-DEFAULT_SYSTEMS = ("mwms", "tf_rdma", "local")
-EMBEDDING_SYSTEMS = ("mwms", "tf_rdma", "tf_rdma_dense", "local")
+SYSTEM_KINDS = ("mwms", "tf_rdma", "tf_rdma_dense", "nocomm", "local")
+DEFAULT_SYSTEMS = ("mwms", "tf_rdma", "nocomm", "local")
+EMBEDDING_SYSTEMS = ("mwms", "tf_rdma", "tf_rdma_dense", "nocomm", "local")
 LOCAL = "local"
+NOCOMM = "nocomm"
+NO_COMMUNICATION = (LOCAL, NOCOMM)  # systems whose workers share nothing
 ALGORITHMS = ("auto", "lp", "ring", "tree", "rhd")
 OP = "train_step"
 LOG_PREFIX = "[train] "
@@ -93,6 +115,8 @@ QUICK_WARMUP = 3
 
 # The issue's targets, printed, never asserted.
 TARGET_SPEEDUP = 2.0
+TARGET_SCALING = 0.85            # RdmaStrategy step vs nocomm's, P = 2
+TARGET_SCALING_RANKS = 2
 EMBEDDING_TARGET_SPEEDUP = 3.0   # sparse RdmaStrategy vs MWMS, P = 2
 EMBEDDING_TARGET_BYTES = 10.0    # bytes: dense / sparse
 EMBEDDING_BATCH = 512
@@ -120,8 +144,8 @@ def describe_model(args):
 
 
 def system_name(kind, algorithm):
-    if kind == "local":
-        return LOCAL
+    if kind in NO_COMMUNICATION:
+        return kind
     if kind == "tf_rdma_dense":
         return f"tf_rdma-{algorithm}-dense"
     return MWMS if kind == "mwms" else f"tf_rdma-{algorithm}"
@@ -132,7 +156,7 @@ def system_name(kind, algorithm):
 
 def worker_main(args):
     rank, nranks = args.rank, args.nranks
-    if args.worker != "local":
+    if args.worker not in NO_COMMUNICATION:
         set_tf_config(group_cluster(), rank)
     import numpy as np
     import tensorflow as tf
@@ -148,8 +172,10 @@ def worker_main(args):
         save_json(path, doc)
 
     save()
-    if args.worker == "local":
-        strategy = tf.distribute.get_strategy()  # the default: one replica
+    if args.worker in NO_COMMUNICATION:
+        # The default strategy: one replica, its "sum" over the replicas is
+        # the identity. nocomm's P workers each apply their own gradients.
+        strategy = tf.distribute.get_strategy()
     elif args.worker == "mwms":
         strategy = mwms_ring(tf)
     else:
@@ -161,9 +187,10 @@ def worker_main(args):
         if args.bucket_bytes:
             kwargs["bucket_bytes"] = args.bucket_bytes
         strategy = RdmaStrategy(**kwargs)
-    if strategy.num_replicas_in_sync != nranks:
+    in_sync = 1 if args.worker in NO_COMMUNICATION else nranks
+    if strategy.num_replicas_in_sync != in_sync:
         raise SystemExit(f"{name}: {strategy.num_replicas_in_sync} replicas "
-                         f"in sync, expected {nranks}")
+                         f"in sync, expected {in_sync}")
 
     embedding = args.model == "embedding"
     keras.utils.set_random_seed(args.seed)  # same weights on every rank
@@ -241,12 +268,40 @@ def worker_main(args):
         losses = strategy.run(step_fn, args=(x, y))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    save()
-    for _ in range(args.warmup + args.steps):
+    def step():
         t0 = time.perf_counter()
         loss = float(train_step(x, y).numpy())
-        doc["step_times"].append(time.perf_counter() - t0)
+        return time.perf_counter() - t0, loss
+
+    def reach(tag):
+        """Says in --out that this rank has reached `tag`."""
+        open(os.path.join(args.out, f"{tag}.{rank}"), "w").close()
+
+    def all_reached(tag):
+        return all(os.path.exists(os.path.join(args.out, f"{tag}.{r}"))
+                   for r in range(nranks))
+
+    # nocomm's workers share no collective that would keep them in step, so
+    # files in --out do, outside the timed steps: every rank starts its
+    # timed steps once all have warmed up, and goes on stepping (untimed)
+    # until all have finished theirs, so that each timed step shares the
+    # cores with the other P - 1 workers, as RdmaStrategy's steps do.
+    nocomm = args.worker == NOCOMM
+    save()
+    for i in range(args.warmup + args.steps):
+        if nocomm and i == args.warmup:
+            reach("warm")
+            while not all_reached("warm"):
+                time.sleep(0.001)
+        seconds, loss = step()
+        doc["step_times"].append(seconds)
         doc["losses"].append(loss)
+    if nocomm:
+        reach("timed")
+        doc["untimed_steps_after"] = 0
+        while not all_reached("timed"):
+            step()
+            doc["untimed_steps_after"] += 1
     doc["done"] = True
     save()
     return 0
@@ -257,7 +312,7 @@ def worker_main(args):
 
 def run_system(kind, args, workdir):
     name = system_name(kind, args.algorithm)
-    nranks = 1 if kind == "local" else args.ranks
+    nranks = 1 if kind == LOCAL else args.ranks
     out = os.path.join(workdir, name)
     os.makedirs(out)
     env = worker_env()
@@ -295,13 +350,77 @@ def combine(name, nranks, docs, args, grad_bytes):
     rank0 = next(d for d in docs if d["rank"] == 0)
     global_batch = args.batch * nranks
     payload = rank0.get("info", {}).get("payload_bytes")
+    extra = {}
+    if name == NOCOMM:
+        # Steps a rank ran after its timed ones, waiting for the others.
+        extra["untimed_steps_after"] = [d.get("untimed_steps_after")
+                                        for d in docs]
     return result_entry(
         name, OP, payload if payload is not None else grad_bytes, per_step,
-        nranks, payload_bytes_per_rank=payload,
+        nranks,
+        # What a worker hands to the collectives: nothing without any.
+        payload_bytes_per_rank=0 if name in NO_COMMUNICATION else payload,
         samples_per_s=global_batch / median, global_batch=global_batch,
         rank0_median_s=statistics.median(per_rank[0]),
         first_loss=rank0["losses"][0] if rank0["losses"] else None,
-        last_loss=rank0["losses"][-1] if rank0["losses"] else None)
+        last_loss=rank0["losses"][-1] if rank0["losses"] else None,
+        **extra)
+
+
+def add_scaling(results):
+    """Each strategy's scaling: nocomm's step time over its own.
+
+    The fraction of the communication-free throughput a strategy keeps
+    (same P, model and per-worker batch). Sets ``scaling_vs_nocomm`` in the
+    results of the systems that communicate.
+
+    Args:
+      results: The results of one run (``combine``'s entries).
+
+    Returns:
+      ``{system: scaling}``, empty if nocomm gave no result.
+    """
+    nocomm = next((r for r in results if r["system"] == NOCOMM), None)
+    if nocomm is None:
+        return {}
+    for r in results:
+        if r["system"] not in NO_COMMUNICATION:
+            r["scaling_vs_nocomm"] = nocomm["median_s"] / r["median_s"]
+    return {r["system"]: r["scaling_vs_nocomm"] for r in results
+            if "scaling_vs_nocomm" in r}
+
+
+def scaling_check(rdma, nocomm, scaling, ranks):
+    """The scaling check line: RdmaStrategy's against the target.
+
+    Args:
+      rdma: RdmaStrategy's result, with ``scaling_vs_nocomm`` when nocomm
+        was measured.
+      nocomm: nocomm's result, or None.
+      scaling: ``add_scaling``'s ``{system: scaling}`` (the others are
+        printed for context).
+      ranks: P. The target is set at P = 2; at another P the line says so
+        instead of a verdict.
+
+    Returns:
+      The line, or one saying why there is no scaling.
+    """
+    if nocomm is None or "scaling_vs_nocomm" not in rdma:
+        return "check: no scaling (nocomm not run or gave no result)"
+    kept = rdma["scaling_vs_nocomm"]
+    if ranks == TARGET_SCALING_RANKS:
+        target = (f"target >= {100 * TARGET_SCALING:.0f}%): "
+                  f"{verdict(kept >= TARGET_SCALING)}")
+    else:
+        target = (f"the target, >= {100 * TARGET_SCALING:.0f}%, is set at "
+                  f"P={TARGET_SCALING_RANKS})")
+    others = "; ".join(f"{s} {100 * x:.0f}%" for s, x in scaling.items()
+                       if s != rdma["system"])
+    return (f"check: P={ranks}: RdmaStrategy keeps {100 * kept:.0f}% of the "
+            f"communication-free step ({rdma['system']} "
+            f"{human_time(rdma['median_s'])} vs nocomm "
+            f"{human_time(nocomm['median_s'])}; {target}"
+            + (f"; for context {others}" if others else ""))
 
 
 def orchestrate(args):
@@ -344,7 +463,7 @@ def orchestrate(args):
                 f"samples/s")
     for kind in SYSTEM_KINDS:
         for key, value in (info.get(kind) or {}).items():
-            if key != "params":
+            if key not in ("params", "payload_bytes"):  # not the machine's
                 run.machine.setdefault(key, value)
 
     print(f"{run.headline('training benchmark')}; custom loop, {args.steps} "
@@ -356,19 +475,28 @@ def orchestrate(args):
     print()
     by = {r["system"]: r for r in results}
     mwms = by.get(MWMS)
+    nocomm = by.get(NOCOMM)
+    scaling = add_scaling(results)
     header = ["system", "P", "step (med)", "step (min)", "samples/s",
-              "vs mwms", "payload/step", "first loss", "last loss"]
+              "vs mwms", "vs nocomm", "payload/step", "first loss",
+              "last loss"]
     rows = [[r["system"], str(r["P"]), human_time(r["median_s"]),
              human_time(r["min_s"]), f"{r['samples_per_s']:.1f}",
              f"{r['samples_per_s'] / mwms['samples_per_s']:.2f}x"
-             if mwms and r["system"] != LOCAL else "-",
+             if mwms and r["system"] not in NO_COMMUNICATION else "-",
+             f"{100 * r['scaling_vs_nocomm']:.0f}%"
+             if "scaling_vs_nocomm" in r else "-",
              f"{r['payload_bytes_per_rank'] / 1e6:.2f} MB"
-             if r.get("payload_bytes_per_rank") and r["system"] != LOCAL
-             else "-",
+             if r.get("payload_bytes_per_rank")
+             and r["system"] not in NO_COMMUNICATION else "-",
              f"{r['first_loss']:.5f}" if r["first_loss"] is not None else "-",
              f"{r['last_loss']:.5f}" if r["last_loss"] is not None else "-"]
             for r in results]
     print_table(header, rows)
+    if nocomm:
+        print(f"nocomm: no communication, {args.ranks} workers side by "
+              f"side, each applying its own gradients (the same model, "
+              f"batch and step; losses are rank 0's alone)")
     print()
     for kind, why in skipped.items():
         print(f"skipped {kind}: {why}")
@@ -382,6 +510,15 @@ def orchestrate(args):
             for s in (MWMS, rdma and rdma["system"]) if s in by)
         print(f"one process, no strategy (per-replica batch, no "
               f"communication): {human_time(local['median_s'])} per step"
+              + (f"; on top of it: {extra}" if extra else ""))
+    if nocomm:
+        extra = ", ".join(
+            f"{s} {human_time(by[s]['median_s'] - nocomm['median_s'])}"
+            for s in (MWMS, rdma and rdma["system"]) if s in by)
+        shared = (f" ({nocomm['median_s'] / local['median_s']:.2f}x local's:"
+                  f" what sharing the cores costs)" if local else "")
+        print(f"{args.ranks} workers side by side, no communication: "
+              f"{human_time(nocomm['median_s'])} per step{shared}"
               + (f"; on top of it: {extra}" if extra else ""))
     losses_check = None
     if MWMS in losses and rdma and losses.get(rdma["system"]):
@@ -400,17 +537,22 @@ def orchestrate(args):
     if rdma and mwms:
         x = rdma["samples_per_s"] / mwms["samples_per_s"]
         bound = ""
-        if local:
+        floor = nocomm or local
+        if floor:
             # No strategy's step is faster than the step without any
-            # communication (each worker computes a whole per-replica batch).
-            bound = (f"; a step cannot beat local's "
-                     f"{human_time(local['median_s'])}, so at most "
-                     f"{mwms['median_s'] / local['median_s']:.2f}x here")
+            # communication (each worker computes a whole per-replica batch):
+            # nocomm's, P workers sharing the cores, else local's.
+            bound = (f"; a step cannot beat {floor['system']}'s "
+                     f"{human_time(floor['median_s'])}, so at most "
+                     f"{mwms['median_s'] / floor['median_s']:.2f}x here")
         print(f"check: {rdma['system']} {rdma['samples_per_s']:.1f} vs "
               f"{MWMS} {mwms['samples_per_s']:.1f} samples/s: {x:.2f}x "
               f"(target >= {target:g}x): {verdict(x >= target)}{bound}")
     else:
-        print("check: no ratio (a system gave no result)")
+        print("check: no speedup over MWMS (mwms or tf_rdma not run or "
+              "gave no result)")
+    if rdma:
+        print(scaling_check(rdma, nocomm, scaling, args.ranks))
     dense = by.get(system_name("tf_rdma_dense", args.algorithm))
     if args.model == "embedding" and rdma and dense and \
             rdma.get("payload_bytes_per_rank"):
@@ -439,6 +581,8 @@ def orchestrate(args):
                             "until its loss is back; median/min over the "
                             "timed steps",
                   "losses": losses, "losses_check": losses_check,
+                  "scaling_vs_nocomm": scaling,
+                  "target_scaling": TARGET_SCALING,
                   "skipped": skipped, "failed": failed,
                   **run.timing()}
         write_json(args.json, run.document(config, results))
@@ -453,8 +597,12 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="python bench/train.py",
         description="Training throughput of a communication-bound Keras "
-                    "model: tf_rdma RdmaStrategy vs "
-                    "MultiWorkerMirroredStrategy, P local workers.",
+                    "model: tf_rdma RdmaStrategy vs\n"
+                    "MultiWorkerMirroredStrategy, P local workers, and "
+                    "their scaling: the fraction\n"
+                    "of the step without communication (nocomm: P workers "
+                    "side by side, each\n"
+                    "applying its own gradients) that each keeps.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="See bench/README.md for how it measures.")
     parser.add_argument("--json", metavar="PATH",
@@ -472,10 +620,13 @@ def build_parser():
                         help="worker processes (default 2)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_KINDS,
                         help="systems to measure (default: mwms tf_rdma "
-                             "local; --model embedding: mwms tf_rdma "
-                             "tf_rdma_dense local; local = one process, no "
-                             "strategy: the step without communication; "
-                             "tf_rdma_dense = sparse_as_dense=True)")
+                             "nocomm local; --model embedding: mwms tf_rdma "
+                             "tf_rdma_dense nocomm local; nocomm = P "
+                             "workers side by side, each applying its own "
+                             "gradients, no communication: the reference "
+                             "of the scaling check; local = one process "
+                             "alone, no strategy; tf_rdma_dense = "
+                             "sparse_as_dense=True)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                         help="RdmaStrategy's allreduce algorithm (default "
                              "auto)")
