@@ -100,7 +100,7 @@ EMBEDDING_SYSTEMS = ("mwms", "tf_rdma", "tf_rdma_dense", "nocomm", "local")
 LOCAL = "local"
 NOCOMM = "nocomm"
 NO_COMMUNICATION = (LOCAL, NOCOMM)  # systems whose workers share nothing
-ALGORITHMS = ("auto", "lp", "ring", "tree", "rhd")
+ALGORITHMS = ("auto", "lp", "ring", "tree", "rhd", "oneshot")
 OP = "train_step"
 LOG_PREFIX = "[train] "
 
