@@ -107,9 +107,11 @@ def test_block_size_is_lp_optimum_rounded_to_64():
     # The chain's fill: P-2 middle ranks copying out and sending each block.
     exact = math.sqrt(n * P0.alpha / ((P - 2) * (P0.beta + P0.delta)))
     assert b == int(exact) // 64 * 64 == 437824
-    # At P = 2 the fill is one block's copy: min(β, δ).
-    assert cost.block_size(n, 2, P0) == int(
-        math.sqrt(n * P0.alpha / P0.delta)) // 64 * 64
+    # At P = 2 the fill is one block's copy: min(β, δ) (for a message where
+    # that optimum is under the 1 MiB clamp).
+    n2 = 8 * MiB
+    assert cost.block_size(n2, 2, P0) == int(
+        math.sqrt(n2 * P0.alpha / P0.delta)) // 64 * 64 < cost.MAX_BLOCK
     # It minimises the LP broadcast formula among multiples of 64 nearby.
     t = lambda bb: cost.time("broadcast", "lp", n, P, bb, P0)  # noqa: E731
     assert t(b) <= min(t(b // 2), t(b * 2))

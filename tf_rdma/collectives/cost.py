@@ -48,8 +48,14 @@ KINDS = ("allreduce", "broadcast", "reduce", "allgather")
 ALGORITHMS = ("lp", "ring", "tree", "rhd", "oneshot")
 
 #: Smallest and largest default block, bytes (block_size clamps b* to these).
+#: The largest is 1 MiB because blocks that fit in the cache are faster than
+#: the model says: a block is reduced (or copied out) right after the peer
+#: wrote it, so a small one is still in the last-level cache. Measured on
+#: the 2-vCPU VM (64 MiB allreduce, P = 2, every algorithm): 12.7-14.1 ms
+#: with blocks of 256 KiB to 1 MiB, 17-21 ms with 2 to 8 MiB
+#: (docs/benchmarks.md), where the calibrated α put b* at 8 MiB.
 MIN_BLOCK = 64 << 10
-MAX_BLOCK = 8 << 20
+MAX_BLOCK = 1 << 20
 #: Blocks a channel holds by default (the engine's depth).
 DEFAULT_DEPTH = 4
 
