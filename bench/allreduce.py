@@ -77,7 +77,8 @@ their per-call times to a file, which the orchestrator collects:
 
 Timing, the same for every system: every rank builds its input once per
 size, calls each variant twice as warm-up (the first call traces the
-function and sets up the collective), then does --runs rounds; in a round
+function and sets up the collective), then does --runs rounds (at least SMALL_RUNS = 50 for sizes up to
+1 MiB); in a round
 every variant is timed once (variants interleaved, so a slow phase of the
 machine hits them all). Before every timed call the ranks synchronise with a
 4-byte allreduce of the same system (``MPI_Barrier`` for Open MPI, the TCP
@@ -133,6 +134,11 @@ QUICK_RANKS = (2,)
 DEFAULT_RUNS = 10
 QUICK_RUNS = 3
 WARMUP = 2
+#: Messages up to this size get at least SMALL_RUNS timed rounds: a call
+#: costs well under a millisecond, and their medians move by 100 µs from run
+#: to run on a 2-vCPU machine with a handful of rounds.
+SMALL_SIZE = 1 << 20
+SMALL_RUNS = 50
 
 
 
@@ -207,6 +213,12 @@ def system_names(kind, algorithms):
 # --- worker (one rank of one system) ---
 
 
+def rounds(size, runs):
+    """Timed rounds for a message of ``size`` bytes: ``runs``, and at least
+    SMALL_RUNS up to SMALL_SIZE."""
+    return max(runs, SMALL_RUNS) if size <= SMALL_SIZE else runs
+
+
 class _Rank:
     """What every system's worker shares: inputs, checks, the timing loop."""
 
@@ -258,7 +270,8 @@ class _Rank:
                       f"{human_size(size)}: {message}", file=sys.stderr,
                       flush=True)
 
-            for r in range(WARMUP + self.args.runs):
+            runs = rounds(size, self.args.runs)
+            for r in range(WARMUP + runs):
                 for name in list(variants):
                     try:
                         sync()
@@ -274,7 +287,7 @@ class _Rank:
                         continue
                     expected = expect[name]
                     if expected is not None and (
-                            r == 0 or r == WARMUP + self.args.runs - 1):
+                            r == 0 or r == WARMUP + runs - 1):
                         got = np.asarray(y).reshape(-1)
                         # A wrong result is reported (and left out of the
                         # results), but still called, so that the ranks
@@ -961,8 +974,9 @@ def orchestrate(args):
         for key, value in (info.get(kind) or {}).items():
             if key != "transport":
                 run.machine.setdefault(key, value)
-    print(f"{run.headline('allreduce benchmark')}; runs={args.runs} after "
-          f"{WARMUP} warm-up; time of a run = slowest rank")
+    print(f"{run.headline('allreduce benchmark')}; runs={args.runs} (at "
+          f"least {SMALL_RUNS} up to 1 MiB) after {WARMUP} warm-up; time of "
+          f"a run = slowest rank")
     print_tables(results, args.sizes, args.ranks)
     print()
     for nranks, picked in auto.items():
@@ -984,7 +998,8 @@ def orchestrate(args):
         print("check: " + check["line"])
     run.finish()
     if args.json:
-        config = {"runs": args.runs, "warmup": WARMUP,
+        config = {"runs": args.runs, "small_runs": SMALL_RUNS,
+                  "small_size": SMALL_SIZE, "warmup": WARMUP,
                   "sizes": list(args.sizes),
                   "ranks": list(args.ranks),
                   "algorithms": list(args.algorithms),
@@ -1038,7 +1053,8 @@ def build_parser():
     parser.add_argument("--runs", type=int, metavar="N",
                         help=f"timed calls per measurement after {WARMUP} "
                              f"warm-up calls (default {DEFAULT_RUNS}; "
-                             f"--quick: {QUICK_RUNS})")
+                             f"--quick: {QUICK_RUNS}; sizes up to 1 MiB: at "
+                             f"least {SMALL_RUNS})")
     parser.add_argument("--quick", action="store_true",
                         help="4 KiB, 1 MiB and 64 MiB, P = 2, few runs (a "
                              "smoke run, about 2 minutes)")
