@@ -13,7 +13,7 @@ Main entry points:
     tf_rdma.Plan, Transfer  the static memory plan of cross-task tensors
     tf_rdma.ops.send/recv   the zero-copy transfer ops
     tf_rdma.rewrite         decorator: a multi-task tf.function's tensors via tf_rdma
-    tf_rdma.collectives     allreduce/broadcast/reduce/allgather (lp, ring, tree, rhd)
+    tf_rdma.collectives     allreduce/broadcast/reduce/allgather (lp, ring, tree, rhd, oneshot)
     tf_rdma.distribute      RdmaStrategy: data-parallel Keras fit and custom loops
     tf_rdma.stats           the transfer counters: bytes, transfers, waits per peer
     tf_rdma.keras           StatsCallback: MB/s and wait fractions in Keras' logs

@@ -64,8 +64,8 @@ _USAGE = ("%(prog)s [-h] [--kind KINDS] [--algorithms ALGS] [--sizes SIZES] "
           "[--no-claims]")
 
 _DESCRIPTION = """\
-Simulate the tf_rdma collectives (lp, ring, tree, rhd) block by block under
-the alpha-beta-gamma-delta cost model: a block of s bytes costs its sender
+Simulate the tf_rdma collectives (lp, ring, tree, rhd, oneshot) block by
+block under the alpha-beta-gamma-delta cost model: a block of s bytes costs its sender
 alpha + s*beta, its receiver s*gamma to reduce it or s*delta to copy it out
 of the channel, and a channel holds --depth blocks. Prints the simulated time of every algorithm per kind, size
 and number of ranks, the closed-form model's time next to it, and a claims
@@ -272,7 +272,7 @@ def main(argv=None):
 #: ``tf-rdma simulate``, for the ``tf-rdma`` parser (tf_rdma.cli).
 COMMAND = Command(
     name="simulate",
-    help="simulate the collectives (lp, ring, tree, rhd) under the "
+    help="simulate the collectives (lp, ring, tree, rhd, oneshot) under the "
          "alpha-beta-gamma cost model",
     usage=_USAGE,
     description=_DESCRIPTION,
