@@ -8,6 +8,7 @@ No test can hang: a timeout kills the whole process group.
 """
 
 import glob
+import importlib.util
 import json
 import os
 import random
@@ -272,6 +273,21 @@ def softnic_env(env=None):
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (SOFTNIC_DIR, env.get("LD_LIBRARY_PATH")) if p)
     return env
+
+
+BENCH = os.path.join(REPO, "bench")
+
+
+def load_bench(script):
+    """bench/<script> as a module, its bench/_harness imports resolved as
+    when it runs as ``python bench/<script>`` (bench/ first on sys.path)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_" + os.path.splitext(script)[0], os.path.join(BENCH, script))
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(BENCH)
+        spec.loader.exec_module(module)
+    return module
 
 
 def softnic_missing():

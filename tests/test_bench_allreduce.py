@@ -9,7 +9,6 @@ floor's ranks run, report and leave nothing in /dev/shm.
 """
 
 import glob
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,24 +16,16 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import BENCH, REPO, load_bench
 
 KiB = 1024
 MiB = 1024 * KiB
-_BENCH = os.path.join(REPO, "bench")
-_PATH = os.path.join(_BENCH, "allreduce.py")
+_PATH = os.path.join(BENCH, "allreduce.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_allreduce", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    # bench/allreduce.py imports bench/_harness, which `python
-    # bench/allreduce.py` finds next to the script.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(_BENCH)
-        spec.loader.exec_module(module)
-    return module
+    return load_bench("allreduce.py")
 
 
 def entry(system, size, median, P=2):

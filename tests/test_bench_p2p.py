@@ -9,7 +9,6 @@ its results must be `tf_rdma-verbs-emulated`, never `tf_rdma-verbs`.
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -18,25 +17,16 @@ import sys
 
 import pytest
 
-from conftest import REPO, softnic_missing, verbs_missing
+from conftest import BENCH, REPO, load_bench, softnic_missing, verbs_missing
 
 KiB = 1024
 MiB = 1024 * KiB
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))), "bench")
-_PATH = os.path.join(_BENCH, "p2p.py")
+_PATH = os.path.join(BENCH, "p2p.py")
 
 
 @pytest.fixture(scope="module")
 def p2p():
-    spec = importlib.util.spec_from_file_location("bench_p2p", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    # bench/p2p.py imports bench/_harness, which `python bench/p2p.py` finds
-    # next to the script (bench/ is then first on sys.path).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(_BENCH)
-        spec.loader.exec_module(module)
-    return module
+    return load_bench("p2p.py")
 
 
 def entry(system, op, size, median):

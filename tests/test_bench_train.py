@@ -5,27 +5,17 @@ Speed targets live in bench/, not in timed tests: these check that what it
 prints is computed right from the step times it is given. No worker runs.
 """
 
-import importlib.util
-import os
 import types
 
 import pytest
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))), "bench")
-_PATH = os.path.join(_BENCH, "train.py")
+from conftest import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("bench_train", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    # bench/train.py imports bench/_harness, which `python bench/train.py`
-    # finds next to the script (bench/ is then first on sys.path).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(_BENCH)
-        spec.loader.exec_module(module)
-    return module
+    return load_bench("train.py")
 
 
 def _args(**kw):

@@ -204,22 +204,27 @@ class Engine:
         per = self.gamma if reduce else self.delta
         self.work += (L - 1) * nbytes * (self.beta + per)
         for k in range(-(-nbytes // b)):
-            s = min(b, nbytes - k * b)
-            h = self.alpha + s * self.beta
-            g = s * per
-            a = g + h
-            credit = self.credit(ids)
-            z = np.empty(L - 1)
-            z[0] = max(c[0], credit[0]) + h
-            if L > 2:
-                z[1:] = np.maximum(c[1:L - 1] + a, credit[1:] + h)
-            sent = idx * a + np.maximum.accumulate(z - idx * a)
-            got = np.maximum(c[1:], sent) + g  # receive ends, ranks 1..L-1
-            c[0] = sent[0]
-            c[1:L - 1] = sent[1:]
-            c[L - 1] = got[-1]
-            self.consumed(ids, got)
+            self._chain_block(c, ids, idx, min(b, nbytes - k * b), per)
         self.clock[order] = c
+
+    def _chain_block(self, c, ids, idx, s, per):
+        """One block of s bytes along a chain: updates the chain's clocks c
+        (in chain order) and consumes it on the links ``ids``."""
+        L = len(c)
+        h = self.alpha + s * self.beta
+        g = s * per
+        a = g + h
+        credit = self.credit(ids)
+        z = np.empty(L - 1)
+        z[0] = max(c[0], credit[0]) + h
+        if L > 2:
+            z[1:] = np.maximum(c[1:L - 1] + a, credit[1:] + h)
+        sent = idx * a + np.maximum.accumulate(z - idx * a)
+        got = np.maximum(c[1:], sent) + g  # receive ends, ranks 1..L-1
+        c[0] = sent[0]
+        c[1:L - 1] = sent[1:]
+        c[L - 1] = got[-1]
+        self.consumed(ids, got)
 
     def combined_chain(self, nbytes):
         """lp allreduce: up the chain 0..P-1 reducing, down it copying, as
@@ -243,20 +248,8 @@ class Engine:
                                          + self.delta)
         for t in range(nb + int(lag[0])):
             if t < nb:  # up: block t, a chain flow with reduction
-                s = min(b, nbytes - t * b)
-                h = self.alpha + s * self.beta
-                g = s * self.gamma
-                a = g + h
-                credit = self.credit(up)
-                z = np.empty(P - 1)
-                z[0] = max(c[0], credit[0]) + h
-                if P > 2:
-                    z[1:] = np.maximum(c[1:P - 1] + a, credit[1:] + h)
-                sent = idx * a + np.maximum.accumulate(z - idx * a)
-                got = np.maximum(c[1:], sent) + g
-                c[:P - 1] = sent
-                c[P - 1] = got[-1]
-                self.consumed(up, got)
+                self._chain_block(c, up, idx, min(b, nbytes - t * b),
+                                  self.gamma)
             j = t - lag  # down: block j at every rank with 0 <= j < nb
             for r in np.flatnonzero((j >= 0) & (j < nb)):
                 k = int(j[r])
