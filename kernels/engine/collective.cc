@@ -826,7 +826,13 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
     if (!s.ok()) return Fail(s, "receiving from", q);
     first[q] = held[q].payload;
   }
+  // Traced as the reduction of the later of the two received operands.
+  const int last = rank_ == 1 ? 0 : 1;
+  trace::Span apply(held[last].traced_since);
   reduce_(buf_ + at, first[0], first[1], n / spec_.element_bytes);
+  const SlotSpec& channel = Channel(last, rank_);
+  apply.End(trace::kReduce, channel.tensor_name, n, channel.peer,
+            held[last].step);
   for (int q = 0; q < 2; ++q) {
     if (q != rank_) engine_->Release(held[q]);
   }
