@@ -465,6 +465,9 @@ class Engine {
   // call did.
   bool TakePending(const std::shared_ptr<PendingRecv>& p, const Status& s);
   bool HelpRecvsFor(int64_t budget_us);  // HelpRecvs' loop
+  // One look at the waiting recvs, on the thread that just published a
+  // word (a tcp connection's reader): completes those whose data landed.
+  void CompleteLandedRecvs();
 
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);
@@ -542,6 +545,7 @@ class Engine {
   std::mutex poller_mu_;
   std::vector<std::shared_ptr<PendingRecv>> waiting_;  // not yet completed
   std::atomic<size_t> waiting_count_{0};
+  std::atomic<int> helpers_{0};  // sends in HelpRecvsFor now
   std::atomic<uint32_t> poller_bell_{0};  // bumped on news; a futex word
   std::atomic<bool> poller_asleep_{false};
   std::atomic<bool> poller_recheck_{false};  // a connection went away

@@ -174,6 +174,11 @@ bool Engine::HelpRecvs() {
 
 bool Engine::HelpRecvsFor(int64_t budget_us) {
   Clock::time_point until = Clock::now() + std::chrono::microseconds(budget_us);
+  helpers_.fetch_add(1, std::memory_order_relaxed);
+  struct Done {
+    std::atomic<int>* helpers;
+    ~Done() { helpers->fetch_sub(1, std::memory_order_relaxed); }
+  } done{&helpers_};
   std::vector<std::shared_ptr<PendingRecv>> mine;
   uint32_t seen = ~0u;
   for (int round = 0;; ++round) {
@@ -196,6 +201,23 @@ bool Engine::HelpRecvsFor(int64_t budget_us) {
       // Every ~15 us: let a thread that is ready on this core run (on a
       // busy machine it may be the one that has to answer).
       if ((round & 31) == 31) sched_yield();
+    }
+  }
+}
+
+void Engine::CompleteLandedRecvs() {
+  if (waiting_count_.load(std::memory_order_relaxed) == 0) return;
+  // A send is spinning for an answer (HelpRecvsFor): it takes the recv
+  // and runs its successors on its own thread, which wakes nobody.
+  if (helpers_.load(std::memory_order_relaxed) > 0) return;
+  std::vector<std::shared_ptr<PendingRecv>> mine;
+  {
+    std::lock_guard<std::mutex> lock(poller_mu_);
+    mine = waiting_;
+  }
+  for (const auto& p : mine) {
+    if (!p->taken.load(std::memory_order_relaxed) && p->Landed()) {
+      TakePending(p, Status::Ok());
     }
   }
 }

@@ -37,7 +37,8 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   return s;
 }
 
-Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup) {
+Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup,
+                  const std::function<void()>& landed) {
   // Region ids are 32-bit: a larger value names no region (it must not be
   // truncated into one).
   Region* region =
@@ -49,7 +50,10 @@ Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup) {
   TF_RDMA_RETURN_IF_ERROR(
       CheckWriteBounds(h.b, h.c, h.d, region->size(), region->shm_name()));
   TF_RDMA_RETURN_IF_ERROR(RecvAll(fd, region->data() + h.b, h.c));
-  PublishWord(region->Word(h.d), h.e);
+  std::atomic<uint64_t>* word = region->Word(h.d);
+  word->store(h.e, std::memory_order_release);
+  if (landed) landed();
+  WakeWord(word);
   return Status::Ok();
 }
 

@@ -11,6 +11,7 @@
 #define TF_RDMA_TRANSPORT_TCP_PAIR_H_
 
 #include <atomic>
+#include <functional>
 #include <mutex>
 
 #include "kernels/common/region.h"
@@ -41,8 +42,10 @@ class Pair : public ::tf_rdma::Pair {
 
 // Applies a WRITE frame whose header `h` was just read from `fd`: checks it,
 // reads the payload into the region and publishes the notice. An error means
-// nothing was written and the connection must be closed.
-Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup);
+// nothing was written and the connection must be closed. `landed`, if set,
+// runs after the notice word is stored and before its sleepers are woken.
+Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup,
+                  const std::function<void()>& landed = nullptr);
 
 }  // namespace tcp
 }  // namespace tf_rdma
