@@ -31,6 +31,10 @@ class Pair : public ::tf_rdma::Pair {
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
                uint64_t notice_offset, uint64_t seq,
                const Deadline& deadline) override;
+  Status NoticeThenWrite(int handle, uint64_t first_notice_offset,
+                         uint64_t first_seq, uint64_t offset, const void* src,
+                         uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                         const Deadline& deadline) override;
   bool broken() const override { return broken_; }
 
  private:
