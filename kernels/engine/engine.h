@@ -268,8 +268,9 @@ class Engine {
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
   // Waits for the data without holding a thread: the wait joins the poller
   // (see poller.cc) and `done` is called exactly once with the
-  // outcome, on the poller thread (or an engine thread, see there). A
-  // failed step has been given back when `done` runs.
+  // outcome, on the poller thread (or an engine thread, a helping send's
+  // thread, or the tcp connection's reader thread that wrote the data; see
+  // there). A failed step has been given back when `done` runs.
   using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
   void WaitRecvAsync(const RecvTicket& ticket, RecvDone done);
   // Called by a send op on TensorFlow's thread once its data is written:

@@ -35,9 +35,17 @@
 //   bounded by its timeout and a dead peer or a refused plan fails it with
 //   the same messages. Waits beyond 127, or all of them on a kernel without
 //   futex_waitv, are handed to engine threads (RecvStep) as before.
+// - *tcp readers complete.* Over tcp the data is written by the reader
+//   thread of the connection (connections.cc), which is awake anyway: it
+//   stores the notice word, completes the recvs whose data landed
+//   (CompleteLandedRecvs) and only then wakes the word's sleepers, so the
+//   poller is not one more wake-up between the data and the op. It leaves
+//   them to a send spinning in HelpRecvsFor (`helpers_`), whose thread runs
+//   the successors without waking anyone.
 //
 // A wait is completed exactly once: whoever sets `taken` first (a helping
-// send, the poller, an engine thread) runs `done`; the others drop it.
+// send, a tcp reader, the poller, an engine thread) runs `done`; the others
+// drop it.
 // Cost: a send with recvs waiting in its process holds its inter-op thread
 // for up to 200 us when no answer comes (never when poll_us is 0), and
 // `done` runs on whichever thread completes the wait, so it must be short

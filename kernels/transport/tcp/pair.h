@@ -2,8 +2,8 @@
 //
 // TCP has no one-sided write, so it is emulated: the writer sends a WRITE
 // frame (common/wire.h) — header then payload, in one sendmsg — on the pair's
-// connection, and the reader's progress thread, which owns the receiving end
-// of every connection, reads the payload straight into the region (no
+// connection, and the connection's reader thread on the other side
+// (engine/connections.cc) reads the payload straight into the region (no
 // staging buffer) and publishes the notice word (ApplyWrite). The reader
 // checks every frame against the region it names before a byte is written;
 // a frame that does not fit closes the connection.
