@@ -110,6 +110,10 @@ void WakeLocalWord(std::atomic<uint32_t>* word) {
 
 void PublishWord(std::atomic<uint64_t>* word, uint64_t value) {
   word->store(value, std::memory_order_release);
+  WakeWord(word);
+}
+
+void WakeWord(std::atomic<uint64_t>* word) {
   syscall(SYS_futex, LowHalf(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 

@@ -104,6 +104,11 @@ inline void CpuRelax() {
 // Stores `value` with release ordering and wakes every sleeper on the word.
 void PublishWord(std::atomic<uint64_t>* word, uint64_t value);
 
+// Wakes every sleeper on a word whose new value was already stored (release)
+// by the caller: PublishWord in two halves, for a writer with work to do in
+// between (the tcp reader completing a waiting recv itself, poller.cc).
+void WakeWord(std::atomic<uint64_t>* word);
+
 }  // namespace tf_rdma
 
 #endif  // TF_RDMA_COMMON_WAIT_H_

@@ -129,9 +129,13 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
     s = InvalidArgument("bad frame magic from " + conn->peer);
   }
   if (s.ok() && h.type == kWrite) {
-    s = ApplyWriteFrame(conn->fd, h, [this, &conn](uint32_t id) {
-      return RegionForPeer(*conn, id);
-    });
+    // This thread is awake and the data is in place: it completes the recv
+    // waiting for it itself, before waking the word's sleepers (the poller
+    // would be one more thread wake-up per transfer; see poller.cc).
+    s = ApplyWriteFrame(
+        conn->fd, h,
+        [this, &conn](uint32_t id) { return RegionForPeer(*conn, id); },
+        [this] { CompleteLandedRecvs(); });
     if (!s.ok()) {
       LogLimited("rejected write from " + conn->peer + ": " + s.message());
     }

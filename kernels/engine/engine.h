@@ -268,8 +268,9 @@ class Engine {
   Status ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta);
   // Waits for the data without holding a thread: the wait joins the poller
   // (see poller.cc) and `done` is called exactly once with the
-  // outcome, on the poller thread (or an engine thread, see there). A
-  // failed step has been given back when `done` runs.
+  // outcome, on the poller thread (or an engine thread, a helping send's
+  // thread, or the tcp connection's reader thread that wrote the data; see
+  // there). A failed step has been given back when `done` runs.
   using RecvDone = std::function<void(const Status&, const RecvTicket&)>;
   void WaitRecvAsync(const RecvTicket& ticket, RecvDone done);
   // Called by a send op on TensorFlow's thread once its data is written:
@@ -465,6 +466,9 @@ class Engine {
   // call did.
   bool TakePending(const std::shared_ptr<PendingRecv>& p, const Status& s);
   bool HelpRecvsFor(int64_t budget_us);  // HelpRecvs' loop
+  // One look at the waiting recvs, on the thread that just published a
+  // word (a tcp connection's reader): completes those whose data landed.
+  void CompleteLandedRecvs();
 
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);
@@ -542,6 +546,7 @@ class Engine {
   std::mutex poller_mu_;
   std::vector<std::shared_ptr<PendingRecv>> waiting_;  // not yet completed
   std::atomic<size_t> waiting_count_{0};
+  std::atomic<int> helpers_{0};  // sends in HelpRecvsFor now
   std::atomic<uint32_t> poller_bell_{0};  // bumped on news; a futex word
   std::atomic<bool> poller_asleep_{false};
   std::atomic<bool> poller_recheck_{false};  // a connection went away

@@ -35,9 +35,17 @@
 //   bounded by its timeout and a dead peer or a refused plan fails it with
 //   the same messages. Waits beyond 127, or all of them on a kernel without
 //   futex_waitv, are handed to engine threads (RecvStep) as before.
+// - *tcp readers complete.* Over tcp the data is written by the reader
+//   thread of the connection (connections.cc), which is awake anyway: it
+//   stores the notice word, completes the recvs whose data landed
+//   (CompleteLandedRecvs) and only then wakes the word's sleepers, so the
+//   poller is not one more wake-up between the data and the op. It leaves
+//   them to a send spinning in HelpRecvsFor (`helpers_`), whose thread runs
+//   the successors without waking anyone.
 //
 // A wait is completed exactly once: whoever sets `taken` first (a helping
-// send, the poller, an engine thread) runs `done`; the others drop it.
+// send, a tcp reader, the poller, an engine thread) runs `done`; the others
+// drop it.
 // Cost: a send with recvs waiting in its process holds its inter-op thread
 // for up to 200 us when no answer comes (never when poll_us is 0), and
 // `done` runs on whichever thread completes the wait, so it must be short
@@ -174,6 +182,11 @@ bool Engine::HelpRecvs() {
 
 bool Engine::HelpRecvsFor(int64_t budget_us) {
   Clock::time_point until = Clock::now() + std::chrono::microseconds(budget_us);
+  helpers_.fetch_add(1, std::memory_order_relaxed);
+  struct Done {
+    std::atomic<int>* helpers;
+    ~Done() { helpers->fetch_sub(1, std::memory_order_relaxed); }
+  } done{&helpers_};
   std::vector<std::shared_ptr<PendingRecv>> mine;
   uint32_t seen = ~0u;
   for (int round = 0;; ++round) {
@@ -196,6 +209,23 @@ bool Engine::HelpRecvsFor(int64_t budget_us) {
       // Every ~15 us: let a thread that is ready on this core run (on a
       // busy machine it may be the one that has to answer).
       if ((round & 31) == 31) sched_yield();
+    }
+  }
+}
+
+void Engine::CompleteLandedRecvs() {
+  if (waiting_count_.load(std::memory_order_relaxed) == 0) return;
+  // A send is spinning for an answer (HelpRecvsFor): it takes the recv
+  // and runs its successors on its own thread, which wakes nobody.
+  if (helpers_.load(std::memory_order_relaxed) > 0) return;
+  std::vector<std::shared_ptr<PendingRecv>> mine;
+  {
+    std::lock_guard<std::mutex> lock(poller_mu_);
+    mine = waiting_;
+  }
+  for (const auto& p : mine) {
+    if (!p->taken.load(std::memory_order_relaxed) && p->Landed()) {
+      TakePending(p, Status::Ok());
     }
   }
 }

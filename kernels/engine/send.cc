@@ -381,16 +381,22 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   const uint64_t trace_step = TraceStep(spec, ticket.step, ticket.call);
   trace::Span credit_trace(ticket.traced_since);
   int64_t write_from = 0;
+  // The call's id first, then the data and the step's notice: a reader
+  // that sees the notice sees the id (writes on a pair apply in order).
+  // Without a dynamic payload between them, both go in one hand-over.
+  bool call_with_data = false;
   if (spec.match_calls) {
     TF_RDMA_RETURN_IF_ERROR(AcquireCopy(&ticket, conn, deadline, what));
     credit_wait.End();
     write_from = credit_trace.End(trace::kCreditWait, spec.tensor_name, nbytes,
                                   spec.peer, trace_step);
-    // The call's id first, then the data and the step's notice: a reader
-    // that sees the notice sees the id (writes on a pair apply in order).
-    s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
-                          CopyOffset(spec, ticket.copy) + kCallWordOffset,
-                          ticket.call, deadline);
+    if (dynamic != nullptr) {
+      s = conn->pair->Write(bound.data_handle, 0, nullptr, 0,
+                            CopyOffset(spec, ticket.copy) + kCallWordOffset,
+                            ticket.call, deadline);
+    } else {
+      call_with_data = true;
+    }
   } else {
     std::atomic<uint64_t>* credit = CreditWord(slot->credits, spec, ticket.copy);
     const uint64_t need = CreditNeeded(spec, ticket.step);
@@ -428,9 +434,14 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   }
   uint64_t copy = CopyOffset(spec, ticket.copy);
   if (s.ok()) {
-    s = conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes, data,
-                          dynamic != nullptr ? spec.nbytes : nbytes, copy,
-                          ticket.step, deadline);
+    s = call_with_data
+            ? conn->pair->NoticeThenWrite(
+                  bound.data_handle, copy + kCallWordOffset, ticket.call,
+                  copy + kSlotHeaderBytes, data, nbytes, copy, ticket.step,
+                  deadline)
+            : conn->pair->Write(bound.data_handle, copy + kSlotHeaderBytes,
+                                data, dynamic != nullptr ? spec.nbytes : nbytes,
+                                copy, ticket.step, deadline);
     if (s.ok() && bound.stats != nullptr) {
       PeerCounters::Add(&bound.stats->writes, 1);
       PeerCounters::Add(&bound.stats->bytes_sent, nbytes);

@@ -16,8 +16,9 @@ Status OpenTransport(const std::string& name, const TransportOptions& options,
 }
 
 Status ApplyWriteFrame(int fd, const FrameHeader& h,
-                       const RegionLookup& lookup) {
-  return tcp::ApplyWrite(fd, h, lookup);
+                       const RegionLookup& lookup,
+                       const std::function<void()>& landed) {
+  return tcp::ApplyWrite(fd, h, lookup, landed);
 }
 
 }  // namespace tf_rdma

@@ -12,6 +12,7 @@
 #define TF_RDMA_TRANSPORT_FACTORY_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,10 +61,12 @@ Status OpenTransport(const std::string& name, const TransportOptions& options,
 // Applies a WRITE frame whose header `h` the engine just read from a
 // control connection `fd` (the tcp backend's receiving half, tcp/pair.h):
 // checks it against the region it names, reads the payload into it and
-// publishes the notice. An error means nothing was written and the
-// connection must be closed.
+// publishes the notice (`landed`, if set, runs between the store of the
+// notice word and the wake-up of its sleepers). An error means nothing was
+// written and the connection must be closed.
 Status ApplyWriteFrame(int fd, const FrameHeader& h,
-                       const RegionLookup& lookup);
+                       const RegionLookup& lookup,
+                       const std::function<void()>& landed = nullptr);
 
 }  // namespace tf_rdma
 

@@ -142,6 +142,19 @@ class Pair {
   virtual Status Write(int handle, uint64_t offset, const void* src,
                        uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
                        const Deadline& deadline) = 0;
+  // A notice alone (`first_seq` into the word at `first_notice_offset`, no
+  // data), then the Write above, applied by the peer in that order. The
+  // default makes the two calls; tcp hands both frames to the socket at once
+  // (one system call, and the peer's reader finds both in one wake-up).
+  virtual Status NoticeThenWrite(int handle, uint64_t first_notice_offset,
+                                 uint64_t first_seq, uint64_t offset,
+                                 const void* src, uint64_t nbytes,
+                                 uint64_t notice_offset, uint64_t seq,
+                                 const Deadline& deadline) {
+    TF_RDMA_RETURN_IF_ERROR(Write(handle, 0, nullptr, 0, first_notice_offset,
+                                  first_seq, deadline));
+    return Write(handle, offset, src, nbytes, notice_offset, seq, deadline);
+  }
   // Backends whose notices arrive as messages (verbs): a file descriptor the
   // progress thread watches, and the call that drains what arrived. Others:
   // -1, and nothing to drain.

@@ -37,7 +37,45 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
   return s;
 }
 
-Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup) {
+Status Pair::NoticeThenWrite(int handle, uint64_t first_notice_offset,
+                             uint64_t first_seq, uint64_t offset,
+                             const void* src, uint64_t nbytes,
+                             uint64_t notice_offset, uint64_t seq,
+                             const Deadline& deadline) {
+  RegionDescriptor region;
+  TF_RDMA_RETURN_IF_ERROR(
+      regions_.Find(handle, 0, 0, first_notice_offset, &region));
+  TF_RDMA_RETURN_IF_ERROR(
+      regions_.Find(handle, offset, nbytes, notice_offset, &region));
+  FrameHeader h[2];
+  h[0].type = kWrite;
+  h[0].a = region.id;
+  h[0].b = 0;
+  h[0].c = 0;
+  h[0].d = first_notice_offset;
+  h[0].e = first_seq;
+  h[1].type = kWrite;
+  h[1].a = region.id;
+  h[1].b = offset;
+  h[1].c = nbytes;
+  h[1].d = notice_offset;
+  h[1].e = seq;
+  struct iovec iov[2];
+  iov[0].iov_base = h;
+  iov[0].iov_len = sizeof(h);
+  iov[1].iov_base = const_cast<void*>(src);
+  iov[1].iov_len = nbytes;
+  std::lock_guard<std::mutex> lock(*send_mu_);
+  if (broken_) return Unavailable("the connection broke off mid-frame");
+  size_t sent = 0;
+  Status s = SendAllv(fd_, iov, nbytes > 0 ? 2 : 1, deadline, &sent);
+  // Half a frame on the wire: the stream cannot carry another one.
+  if (!s.ok() && sent > 0) broken_ = true;
+  return s;
+}
+
+Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup,
+                  const std::function<void()>& landed) {
   // Region ids are 32-bit: a larger value names no region (it must not be
   // truncated into one).
   Region* region =
@@ -49,7 +87,10 @@ Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup) {
   TF_RDMA_RETURN_IF_ERROR(
       CheckWriteBounds(h.b, h.c, h.d, region->size(), region->shm_name()));
   TF_RDMA_RETURN_IF_ERROR(RecvAll(fd, region->data() + h.b, h.c));
-  PublishWord(region->Word(h.d), h.e);
+  std::atomic<uint64_t>* word = region->Word(h.d);
+  word->store(h.e, std::memory_order_release);
+  if (landed) landed();
+  WakeWord(word);
   return Status::Ok();
 }
 

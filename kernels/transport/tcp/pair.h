@@ -2,8 +2,8 @@
 //
 // TCP has no one-sided write, so it is emulated: the writer sends a WRITE
 // frame (common/wire.h) — header then payload, in one sendmsg — on the pair's
-// connection, and the reader's progress thread, which owns the receiving end
-// of every connection, reads the payload straight into the region (no
+// connection, and the connection's reader thread on the other side
+// (engine/connections.cc) reads the payload straight into the region (no
 // staging buffer) and publishes the notice word (ApplyWrite). The reader
 // checks every frame against the region it names before a byte is written;
 // a frame that does not fit closes the connection.
@@ -11,6 +11,7 @@
 #define TF_RDMA_TRANSPORT_TCP_PAIR_H_
 
 #include <atomic>
+#include <functional>
 #include <mutex>
 
 #include "kernels/common/region.h"
@@ -30,6 +31,10 @@ class Pair : public ::tf_rdma::Pair {
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
                uint64_t notice_offset, uint64_t seq,
                const Deadline& deadline) override;
+  Status NoticeThenWrite(int handle, uint64_t first_notice_offset,
+                         uint64_t first_seq, uint64_t offset, const void* src,
+                         uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
+                         const Deadline& deadline) override;
   bool broken() const override { return broken_; }
 
  private:
@@ -41,8 +46,10 @@ class Pair : public ::tf_rdma::Pair {
 
 // Applies a WRITE frame whose header `h` was just read from `fd`: checks it,
 // reads the payload into the region and publishes the notice. An error means
-// nothing was written and the connection must be closed.
-Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup);
+// nothing was written and the connection must be closed. `landed`, if set,
+// runs after the notice word is stored and before its sleepers are woken.
+Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup,
+                  const std::function<void()>& landed = nullptr);
 
 }  // namespace tcp
 }  // namespace tf_rdma
