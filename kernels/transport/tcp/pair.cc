@@ -10,31 +10,30 @@ Status Pair::AddRemoteRegion(const RegionDescriptor& region, int* handle) {
   return Status::Ok();
 }
 
+namespace {
+
+FrameHeader WriteHeader(uint64_t region, uint64_t offset, uint64_t nbytes,
+                        uint64_t notice_offset, uint64_t seq) {
+  FrameHeader h;
+  h.type = kWrite;
+  h.a = region;
+  h.b = offset;
+  h.c = nbytes;
+  h.d = notice_offset;
+  h.e = seq;
+  return h;
+}
+
+}  // namespace
+
 Status Pair::Write(int handle, uint64_t offset, const void* src,
                    uint64_t nbytes, uint64_t notice_offset, uint64_t seq,
                    const Deadline& deadline) {
   RegionDescriptor region;
   TF_RDMA_RETURN_IF_ERROR(
       regions_.Find(handle, offset, nbytes, notice_offset, &region));
-  FrameHeader h;
-  h.type = kWrite;
-  h.a = region.id;
-  h.b = offset;
-  h.c = nbytes;
-  h.d = notice_offset;
-  h.e = seq;
-  struct iovec iov[2];
-  iov[0].iov_base = &h;
-  iov[0].iov_len = sizeof(h);
-  iov[1].iov_base = const_cast<void*>(src);
-  iov[1].iov_len = nbytes;
-  std::lock_guard<std::mutex> lock(*send_mu_);
-  if (broken_) return Unavailable("the connection broke off mid-frame");
-  size_t sent = 0;
-  Status s = SendAllv(fd_, iov, nbytes > 0 ? 2 : 1, deadline, &sent);
-  // Half a frame on the wire: the stream cannot carry another one.
-  if (!s.ok() && sent > 0) broken_ = true;
-  return s;
+  FrameHeader h = WriteHeader(region.id, offset, nbytes, notice_offset, seq);
+  return SendFrames(&h, sizeof(h), src, nbytes, deadline);
 }
 
 Status Pair::NoticeThenWrite(int handle, uint64_t first_notice_offset,
@@ -47,23 +46,19 @@ Status Pair::NoticeThenWrite(int handle, uint64_t first_notice_offset,
       regions_.Find(handle, 0, 0, first_notice_offset, &region));
   TF_RDMA_RETURN_IF_ERROR(
       regions_.Find(handle, offset, nbytes, notice_offset, &region));
-  FrameHeader h[2];
-  h[0].type = kWrite;
-  h[0].a = region.id;
-  h[0].b = 0;
-  h[0].c = 0;
-  h[0].d = first_notice_offset;
-  h[0].e = first_seq;
-  h[1].type = kWrite;
-  h[1].a = region.id;
-  h[1].b = offset;
-  h[1].c = nbytes;
-  h[1].d = notice_offset;
-  h[1].e = seq;
+  FrameHeader h[2] = {
+      WriteHeader(region.id, 0, 0, first_notice_offset, first_seq),
+      WriteHeader(region.id, offset, nbytes, notice_offset, seq)};
+  return SendFrames(h, sizeof(h), src, nbytes, deadline);
+}
+
+Status Pair::SendFrames(const void* headers, size_t header_bytes,
+                        const void* payload, uint64_t nbytes,
+                        const Deadline& deadline) {
   struct iovec iov[2];
-  iov[0].iov_base = h;
-  iov[0].iov_len = sizeof(h);
-  iov[1].iov_base = const_cast<void*>(src);
+  iov[0].iov_base = const_cast<void*>(headers);
+  iov[0].iov_len = header_bytes;
+  iov[1].iov_base = const_cast<void*>(payload);
   iov[1].iov_len = nbytes;
   std::lock_guard<std::mutex> lock(*send_mu_);
   if (broken_) return Unavailable("the connection broke off mid-frame");

@@ -38,6 +38,12 @@ class Pair : public ::tf_rdma::Pair {
   bool broken() const override { return broken_; }
 
  private:
+  // Sends the header bytes, then the payload (if any), in one sendmsg under
+  // the connection's send lock; a frame cut off by its deadline breaks the
+  // connection for good.
+  Status SendFrames(const void* headers, size_t header_bytes,
+                    const void* payload, uint64_t nbytes,
+                    const Deadline& deadline);
   int fd_;
   std::mutex* send_mu_;
   std::atomic<bool> broken_{false};  // a frame was cut off by its deadline
