@@ -17,6 +17,7 @@ def test_defaults():
     assert settings.transport(env={}) == "auto"
     assert settings.timeout_seconds(env={}) == 60.0
     assert settings.poll_microseconds(env={}) == 50
+    assert settings.collective_spin_microseconds(env={}) == "auto"
 
 
 def test_values_from_environment_and_arguments():
@@ -25,6 +26,12 @@ def test_values_from_environment_and_arguments():
     assert settings.transport(env=env) == "tcp"
     assert settings.timeout_seconds(env=env) == 2.5
     assert settings.poll_microseconds(env=env) == 0
+    assert settings.collective_spin_microseconds(
+        env={"TF_RDMA_COLLECTIVE_SPIN_US": " Auto "}) == "auto"
+    assert settings.collective_spin_microseconds(
+        env={"TF_RDMA_COLLECTIVE_SPIN_US": "0"}) == 0
+    assert settings.collective_spin_microseconds(
+        env={"TF_RDMA_COLLECTIVE_SPIN_US": "100000"}) == 100000
     assert settings.secret(env=env) == "abc-0123456789-abc"
     # An explicit argument wins over the environment.
     assert settings.timeout_seconds(7, env=env) == 7.0
@@ -40,6 +47,12 @@ def test_values_from_environment_and_arguments():
     (settings.poll_microseconds, "TF_RDMA_POLL_US", "lots"),
     (settings.poll_microseconds, "TF_RDMA_POLL_US", "10001"),
     (settings.poll_microseconds, "TF_RDMA_POLL_US", "-1"),
+    (settings.collective_spin_microseconds, "TF_RDMA_COLLECTIVE_SPIN_US",
+     "spin"),
+    (settings.collective_spin_microseconds, "TF_RDMA_COLLECTIVE_SPIN_US",
+     "100001"),
+    (settings.collective_spin_microseconds, "TF_RDMA_COLLECTIVE_SPIN_US",
+     "-5"),
 ])
 def test_bad_values_name_variable_and_value(function, variable, value):
     with pytest.raises(ConfigError) as info:
@@ -102,3 +115,9 @@ def test_min_secret_length_matches_the_engine():
     m = re.search(r"kMinSecretBytes = (\d+);", header)
     assert m and int(m.group(1)) == settings.MIN_SECRET_LENGTH
     assert settings.secret("a" * settings.MIN_SECRET_LENGTH, env={}) == "a" * 16
+
+
+def test_spin_limit_matches_the_engine():
+    header = open(os.path.join(REPO_ROOT, "kernels", "engine", "engine.h")).read()
+    m = re.search(r"kMaxSpinUs = (\d+);", header)
+    assert m and int(m.group(1)) == settings.MAX_SPIN_US

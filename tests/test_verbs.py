@@ -142,11 +142,13 @@ if task == "worker:0":
     for step in range(3):
         tf_rdma.ops.send(tf.fill([1024], float(step)), plan, "x")
     info = tf_rdma.endpoint_info()
-    result({"pair": info["pair"], "verbs": info["verbs"]})
+    result({"pair": info["pair"], "verbs": info["verbs"],
+            "spin": info["collective_spin_us"]})
 else:
     got = [float(tf_rdma.ops.recv(plan, "x").numpy()[0]) for _ in range(3)]
     info = tf_rdma.endpoint_info()
-    result({"got": got, "pair": info["pair"], "verbs": info["verbs"]})
+    result({"got": got, "pair": info["pair"], "verbs": info["verbs"],
+            "spin": info["collective_spin_us"]})
 """
 
 
@@ -180,6 +182,26 @@ def test_fallback_is_logged_once_with_one_line_per_pair(setting, expected):
             assert res.result["verbs"] == f"unusable: not asked for (TF_RDMA_TRANSPORT={setting})"
     assert out["worker:0"].result["pair"] == [f"/job:worker/task:0 -> /job:worker/task:1 {chosen}"]
     assert f"uses {chosen}" in out["worker:0"].stderr
+    # Small collectives spin for their blocks where both tasks have a CPU
+    # (TF_RDMA_COLLECTIVE_SPIN_US=auto), and the start-up log says why.
+    spins = len(os.sched_getaffinity(0)) >= 2
+    for res in out.values():
+        assert res.result["spin"] == (500 if spins else 0)
+        why = "(2 tasks of the cluster on this host, "
+        lines = _log_lines(res.stderr, why)
+        assert len(lines) == 1 and (
+            "collectives of up to 1 MiB spin up to 500 us for each block"
+            if spins else "collectives sleep after a few us") in lines[0], \
+            res.stderr
+
+
+def test_collective_spin_setting_overrides_auto():
+    out = run_tasks({"worker:0": FALLBACK, "worker:1": FALLBACK},
+                    env={"TF_RDMA_COLLECTIVE_SPIN_US": "0"})
+    for res in out.values():
+        assert res.result["spin"] == 0
+        assert len(_log_lines(res.stderr, "collectives sleep after a few us "
+                              "without their block (TF_RDMA_COLLECTIVE_SPIN_US)")) == 1
 
 
 REFUSED = """

@@ -75,7 +75,9 @@ def endpoint_info():
 
     Keys: task, listen_port (int), transport (the setting),
     refused_connections (int: connections closed before or during their
-    handshake, over a limit or denied), verbs (the RDMA device, or
+    handshake, over a limit or denied), collective_spin_us (int: how long a
+    collective of at most 1 MiB spins for a block before it sleeps,
+    TF_RDMA_COLLECTIVE_SPIN_US with ``auto`` resolved), verbs (the RDMA device, or
     "unusable: <why>"), pairs (a dict ``{writer, reader, transport}`` per
     connection), regions (a dict ``{id, name, segment, bytes}`` per region;
     ``id`` is what a peer's frames name it by), and the same as lines: pair
@@ -185,6 +187,7 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"transport={settings.transport(transport)}",
              f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}",
              f"poll_us={settings.poll_microseconds()}",
+             f"collective_spin_us={settings.collective_spin_microseconds()}",
              f"stall_warning_ms={_stall_warning_ms()}"]
     lines += settings.verbs_config()
     timeline = settings.timeline_dir()

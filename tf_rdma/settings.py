@@ -20,6 +20,8 @@ DEFAULT_TIMEOUT_S = 60.0
 #: The longest wait bound tf_rdma takes (a week), for the setting and the ops.
 MAX_TIMEOUT_S = 7 * 24 * 3600
 DEFAULT_POLL_US = 50
+#: The engine's kMaxSpinUs: the largest TF_RDMA_COLLECTIVE_SPIN_US.
+MAX_SPIN_US = 100000
 #: Seconds a wait lasts before the stall inspector logs it (0: off).
 DEFAULT_STALL_WARNING_S = 10.0
 # tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
@@ -140,6 +142,13 @@ SETTINGS = (
             "µs a recv polls for its data on TensorFlow's thread before "
             "handing the wait to the engine, in [0, 10000]; a send that just "
             "wrote polls waiting recvs for 4x this"),
+    Setting("TF_RDMA_COLLECTIVE_SPIN_US", "auto",
+            "µs a collective of at most 1 MiB spins for each of its peers' "
+            "blocks before it sleeps, in [0, 100000]; `auto`: 500 where this "
+            "host runs no more of the cluster's tasks than the process has "
+            "CPUs, else 0 (tasks that share cores would spin on the cores "
+            "their peers need); every wait spins a few µs anyway "
+            "(docs/collectives.md)"),
     Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
             "a task's tf_rdma endpoint listens on its gRPC port + this "
             "(tf_rdma.cluster)"),
@@ -299,3 +308,19 @@ def poll_microseconds(value=None, env=None):
     return _number("TF_RDMA_POLL_US", value, env, DEFAULT_POLL_US, int,
                    lambda us: 0 <= us <= 10000,
                    "an integer number of microseconds in [0, 10000]")
+
+
+def collective_spin_microseconds(value=None, env=None):
+    """Returns a small collective's spin budget: `value`, else TF_RDMA_COLLECTIVE_SPIN_US, else "auto".
+
+    "auto" is resolved by the engine when it starts (500 µs with a CPU per
+    task of the cluster on this host, else 0); a number is microseconds.
+    """
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_COLLECTIVE_SPIN_US")
+    if raw is None or str(raw).strip().lower() in ("", "auto"):
+        return "auto"
+    return _number("TF_RDMA_COLLECTIVE_SPIN_US", raw, env, "auto", int,
+                   lambda us: 0 <= us <= MAX_SPIN_US,
+                   f"auto or an integer number of microseconds in "
+                   f"[0, {MAX_SPIN_US}]")

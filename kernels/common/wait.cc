@@ -37,10 +37,21 @@ int64_t Deadline::RemainingMs() const {
 
 Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
                    const Deadline& deadline,
-                   const std::function<Status()>& check) {
+                   const std::function<Status()>& check, int64_t spin_us) {
   for (int i = 0; i < kSpinIterations; ++i) {
     if (word->load(std::memory_order_acquire) >= target) return Status::Ok();
     CpuRelax();
+  }
+  if (spin_us > 0) {
+    Clock::time_point until = Clock::now() + std::chrono::microseconds(spin_us);
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (word->load(std::memory_order_acquire) >= target) {
+          return Status::Ok();
+        }
+        CpuRelax();
+      }
+    } while (Clock::now() < until);
   }
   while (true) {
     uint64_t seen = word->load(std::memory_order_acquire);

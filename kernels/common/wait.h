@@ -9,6 +9,7 @@
 //
 // The waiter spins for a few microseconds first (a transfer that is already in
 // flight usually lands within that time, and a futex round trip costs more),
+// or for as long as its caller asks (a latency-bound collective, collective.cc),
 // then sleeps on a futex keyed on the low 32 bits of the word, so an idle wait
 // burns no CPU. The futex is process-shared, so it works on a word in a shared
 // mapping that another process writes. Sleeps are cut into slices of at most
@@ -56,10 +57,11 @@ class Deadline {
 
 // Returns the word's value once it is >= target (acquire ordering), or
 // DeadlineExceeded / the first non-ok status of `check` (called about every
-// 50 ms while sleeping; may be empty).
+// 50 ms while sleeping; may be empty). Spins for `spin_us` microseconds
+// before the first sleep where that is longer than the few it always spins.
 Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
                    const Deadline& deadline,
-                   const std::function<Status()>& check);
+                   const std::function<Status()>& check, int64_t spin_us = 0);
 
 // One word of a WaitForAnyWord: sleep while its low 32 bits equal `seen`.
 // `shared`: the word may be in memory another process maps (a region);

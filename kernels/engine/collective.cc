@@ -151,7 +151,10 @@ class Runner {
                         spec.block_bytes / spec.element_bytes *
                             spec.element_bytes)),
         hash_(hash),
-        engine_(Engine::Get()) {}
+        engine_(Engine::Get()),
+        spin_us_(All().length <= kLatencyBoundBytes
+                     ? engine_->config().collective_spin_us
+                     : 0) {}
 
   Status Run();
 
@@ -243,6 +246,9 @@ class Runner {
   const uint64_t block_;
   const std::string hash_;
   Engine* engine_;
+  // How long a wait for a block spins before it sleeps (see
+  // kLatencyBoundBytes); 0: WaitForWord's few µs.
+  const int64_t spin_us_;
   std::map<std::pair<int, int>, SlotSpec> channels_;
 };
 
@@ -314,6 +320,7 @@ Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
   RecvTicket ticket;
   Status s = engine_->ClaimRecv(Channel(from, rank_), &ticket);
   ticket.nbytes = nbytes;  // the last block may be shorter (counters)
+  ticket.spin_us = spin_us_;
   if (s.ok()) s = engine_->FinishRecv(&ticket);
   if (!s.ok()) return Fail(s, "receiving from", from);
   trace::Span apply(ticket.traced_since);
@@ -822,6 +829,7 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
     }
     Status s = engine_->ClaimRecv(Channel(q, rank_), &held[q]);
     held[q].nbytes = n;
+    held[q].spin_us = spin_us_;
     if (s.ok()) s = engine_->FinishRecv(&held[q]);
     if (!s.ok()) return Fail(s, "receiving from", q);
     first[q] = held[q].payload;

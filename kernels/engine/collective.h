@@ -36,6 +36,26 @@ enum class Algorithm { kLp, kRing, kTree, kRhd, kOneShot };
 // The blocks of one channel, in flight at once, by default.
 constexpr int64_t kDefaultChannelDepth = 4;
 
+// Spinning for a latency-bound collective's blocks.
+//
+// A rank that waits for a peer's block spins a few µs, then sleeps on the
+// block's notice word; the peer's write wakes it. On a VM that wake-up
+// costs tens of µs, more than a small collective's whole exchange: a 4 KiB
+// allreduce of two ranks is a few µs of copying, and the rank that arrives
+// first otherwise sleeps through its peer's arrival and pays a wake-up on
+// every call (docs/benchmarks.md, "Small messages"). So a collective of at
+// most this many bytes (per rank; an allgather's whole output) spins for
+// its blocks for up to EngineConfig::collective_spin_us before it sleeps,
+// as MPI's ranks do. Larger collectives keep the short spin: their waits
+// are for a peer's copy of a large block, which a wake-up barely adds to,
+// and spinning through them measurably slowed a 64 MiB pipeline (2 ranks,
+// 2 vCPUs). The budget is per wait, so a collective whose peer is late by
+// more than it sleeps after burning one budget. The default ("auto") spins
+// only where this host runs no more of the cluster's tasks than it has
+// CPUs: where tasks share cores, a spinning rank takes the core its peer
+// needs (4 ranks on 2 vCPUs took 2x as long with 500 µs spins).
+constexpr uint64_t kLatencyBoundBytes = uint64_t{1} << 20;
+
 struct CollectiveSpec {
   std::string instance;  // the call site's name; the same on every rank
   CollectiveKind kind = CollectiveKind::kAllReduce;

@@ -128,6 +128,17 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                "' is not an integer in [0, 10000]");
       }
       c.poll_us = static_cast<int64_t>(v);
+    } else if (key == "collective_spin_us") {
+      uint64_t v;
+      if (value == "auto") {
+        c.collective_spin_us = kAutoSpin;
+      } else if (ParseUint(value, &v) && v <= kMaxSpinUs) {
+        c.collective_spin_us = static_cast<int64_t>(v);
+      } else {
+        return InvalidArgument("collective_spin_us '" + value +
+                               "' is not auto or an integer in [0, " +
+                               std::to_string(kMaxSpinUs) + "]");
+      }
     } else if (key == "stall_warning_ms") {
       uint64_t v;
       if (!ParseUint(value, &v) || v > static_cast<uint64_t>(kMaxDeadlineMs)) {

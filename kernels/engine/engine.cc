@@ -3,6 +3,7 @@
 
 #include "kernels/engine/engine.h"
 
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
@@ -22,6 +23,7 @@
 #include "kernels/common/text.h"
 #include "kernels/common/timeline.h"
 #include "kernels/common/transport_choice.h"
+#include "kernels/engine/collective.h"
 #include "kernels/engine/engine_internal.h"
 #include "kernels/transport/factory.h"
 
@@ -98,7 +100,7 @@ Status Engine::Start(const EngineConfig& config) {
   started_ = true;
   accept_thread_ = std::thread([this] { AcceptLoop(); });
   progress_thread_ = std::thread([this] { ProgressLoop(); });
-  LogExpectedTransports();
+  ResolveCollectiveSpin(1 + PredictTransports());
   StartTimeline();
   return Status::Ok();
 }
@@ -151,9 +153,10 @@ Status Engine::StartTransports(const EngineConfig& config,
   return Status::Ok();
 }
 
-void Engine::LogExpectedTransports() {
+int Engine::PredictTransports() {
   // A prediction from the peers' addresses (transport_choice.h): this end
   // is on this machine by definition, and no peer's identity is known yet.
+  int same_host = 0;
   PairEnd me = ThisEnd();
   me.identified = false;
   std::set<std::string> local = LocalAddresses();
@@ -165,6 +168,7 @@ void Engine::LogExpectedTransports() {
                          ? ClassifyHost(peer.host, local)
                          : HostKind::kRemote;
     TransportChoice expected = ChooseTransport(me, peer);
+    if (expected.same_host) ++same_host;
     const std::string& t = expected.transport;
     std::string line = "pair " + config_.task + " <-> " + kv.first + " (" +
                        kv.second + "): ";
@@ -184,6 +188,30 @@ void Engine::LogExpectedTransports() {
     }
     Log(line);
   }
+  return same_host;
+}
+
+void Engine::ResolveCollectiveSpin(int tasks_here) {
+  cpu_set_t cpus;
+  int ncpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0
+                  ? CPU_COUNT(&cpus)
+                  : static_cast<int>(std::thread::hardware_concurrency());
+  std::string why = std::to_string(tasks_here) + " task" +
+                    (tasks_here == 1 ? "" : "s") +
+                    " of the cluster on this host, " + std::to_string(ncpus) +
+                    " CPU" + (ncpus == 1 ? "" : "s");
+  if (config_.collective_spin_us == kAutoSpin) {
+    config_.collective_spin_us = tasks_here <= ncpus ? kAutoSpinUs : 0;
+  } else {
+    why = "TF_RDMA_COLLECTIVE_SPIN_US";
+  }
+  std::string limit = std::to_string(kLatencyBoundBytes >> 20) + " MiB";
+  Log(config_.collective_spin_us > 0
+          ? "collectives of up to " + limit + " spin up to " +
+                std::to_string(config_.collective_spin_us) +
+                " us for each block before sleeping (" + why + ")"
+          : "collectives sleep after a few us without their block (" + why +
+                ")");
 }
 
 void Engine::Stop() {
@@ -223,6 +251,8 @@ std::string Engine::Info() {
   // Connections closed before or during their handshake (limits, denials).
   out += ", \"refused_connections\": " +
          std::to_string(refused_connections_.load());
+  out += ", \"collective_spin_us\": " +
+         std::to_string(config_.collective_spin_us);
   auto verbs = transports_.find("verbs");
   out += ", \"verbs\": " +
          JsonString(verbs != transports_.end()

@@ -70,6 +70,11 @@ constexpr uint64_t kCreditLineBytes = 64;
 constexpr size_t kMinSecretBytes = 16;
 // A send polls the process's waiting recvs for this many times poll_us.
 constexpr int64_t kHelpPollFactor = 4;
+// EngineConfig::collective_spin_us: "auto", and what auto spins with a CPU
+// per task on this host; the largest value accepted.
+constexpr int64_t kAutoSpin = -1;
+constexpr int64_t kAutoSpinUs = 500;
+constexpr int64_t kMaxSpinUs = 100000;
 
 // The dynamic path, for tensors whose shape is only known at run time.
 //
@@ -112,6 +117,11 @@ struct EngineConfig {
   std::string transport = "auto";
   int64_t timeout_ms = 60000;     // default bound of every wait
   int64_t poll_us = 50;           // recv polls this long before handing off
+  // How long a latency-bound collective's waits spin before they sleep
+  // (collective.h, kLatencyBoundBytes); kAutoSpin until Start() resolves
+  // it: kAutoSpinUs where this host runs no more of the cluster's tasks
+  // than this process has CPUs, else 0.
+  int64_t collective_spin_us = kAutoSpin;
   // A wait longer than this is logged by the stall inspector (stall.cc);
   // 0: off.
   int64_t stall_warning_ms = 10000;
@@ -198,6 +208,9 @@ struct RecvTicket {
   // Bytes the writer wrote, if fewer than the slot's nbytes (a collective's
   // last, shorter block); 0: the slot's nbytes. For the counters only.
   uint64_t nbytes = 0;
+  // Spin this long for the data before sleeping, where that is longer than
+  // WaitForWord's few µs: a latency-bound collective's blocks (collective.cc).
+  int64_t spin_us = 0;
   // When the recv first found no data (a data wait began); the epoch: it
   // has not waited (stats.h).
   Clock::time_point waiting_since{};
@@ -484,8 +497,12 @@ class Engine {
   // "verbs,tcp", ...) the reason is logged once and kept (Info) and the
   // pairs use the other transports.
   Status StartTransports(const EngineConfig& config, const std::string& host);
-  // Logs, one line per peer, the transport its pair is expected to use.
-  void LogExpectedTransports();
+  // Logs, one line per peer, the transport its pair is expected to use;
+  // returns how many of the peers it expects on this host.
+  int PredictTransports();
+  // Turns config_.collective_spin_us "auto" into microseconds, given the
+  // cluster's tasks on this host (this one included), and logs the choice.
+  void ResolveCollectiveSpin(int tasks_here);
   // Starts the timeline of config_.timeline, if set (timeline.cc); a file
   // that cannot be created is logged, and the endpoint runs without it.
   void StartTimeline();

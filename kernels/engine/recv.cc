@@ -195,7 +195,8 @@ Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
   uint64_t copy = CopyOffset(spec, ticket->copy);
   Region* memory = slot->region->memory.get();
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
-                         [&] { return RecvCheck(slot, what); });
+                         [&] { return RecvCheck(slot, what); },
+                         ticket->spin_us);
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
       return RecvTimedOut(slot, what, s, stall);

@@ -1125,6 +1125,7 @@ TEST(config_parse_valid) {
   tf_rdma::EngineConfig c;
   ASSERT_OK(tf_rdma::EngineConfig::Parse(
       Config("transport=shm,tcp\ntimeout_ms=1500\npoll_us=0\n"
+             "collective_spin_us=750\n"
              "peer=/job:worker/task:1 10.0.0.2:2222\n"
              "peer=/job:ps/task:0 [::1]:3333\n\n"
              "verbs_device=mlx5_0\nverbs_port=1\nverbs_gid_index=-1\n"
@@ -1136,6 +1137,7 @@ TEST(config_parse_valid) {
   EXPECT_EQ(c.transport, std::string("shm,tcp"));
   EXPECT_EQ(c.timeout_ms, int64_t{1500});
   EXPECT_EQ(c.poll_us, int64_t{0});
+  EXPECT_EQ(c.collective_spin_us, int64_t{750});
   EXPECT_EQ(c.peers.size(), size_t{2});
   EXPECT_EQ(c.peers["/job:worker/task:1"], std::string("10.0.0.2:2222"));
   EXPECT_EQ(c.peers["/job:ps/task:0"], std::string("[::1]:3333"));
@@ -1149,6 +1151,7 @@ TEST(config_parse_valid) {
   EXPECT_EQ(d.transport, std::string("auto"));
   EXPECT_EQ(d.timeout_ms, int64_t{60000});
   EXPECT_EQ(d.poll_us, int64_t{50});
+  EXPECT_EQ(d.collective_spin_us, tf_rdma::kAutoSpin);
   EXPECT_EQ(d.stall_warning_ms, int64_t{10000});
   EXPECT_TRUE(d.peers.empty());
   // A secret may contain '=' (only the first one splits).
@@ -1213,6 +1216,12 @@ TEST(config_parse_numbers) {
       {"poll_us=10001", false},
       {"poll_us=-1", false},
       {"poll_us=5.5", false},
+      {"collective_spin_us=auto", true},
+      {"collective_spin_us=0", true},
+      {"collective_spin_us=100000", true},
+      {"collective_spin_us=100001", false},
+      {"collective_spin_us=-1", false},
+      {"collective_spin_us=Auto", false},  // settings.py lowers the case
       {"stall_warning_ms=0", true},
       {"stall_warning_ms=250", true},
       {"stall_warning_ms=-1", false},
@@ -1845,6 +1854,38 @@ TEST(wait_for_word_woken_by_publish) {
   EXPECT_OK(s);
   EXPECT_EQ(word.load(), target);
   EXPECT_LT(ms, int64_t{10000});
+}
+
+// A wait asked to spin burns its CPU until the word moves (no sleep, so no
+// wake-up to pay); one that is not sleeps after a few µs, and a spin ends
+// after its budget even when the word never moves.
+TEST(wait_for_word_spins_for_its_budget) {
+  const uint64_t target = uint64_t{1} << 32;
+  struct Case {
+    int64_t spin_us;
+    int publish_after_ms;
+    int64_t min_cpu_ms, max_cpu_ms;
+  } cases[] = {
+      {0, 60, 0, 5},             // sleeps: almost no CPU
+      {1000000, 60, 5, 5000},    // spins until the publish, about 60 ms
+      {20000, 300, 0, 150},      // spins 20 ms, then sleeps
+  };
+  for (const Case& c : cases) {
+    std::atomic<uint64_t> word{0};
+    std::thread publisher([&word, &c, target] {
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(c.publish_after_ms));
+      tf_rdma::PublishWord(&word, target);
+    });
+    int64_t cpu0 = tf_rdma::ThreadCpuNs();
+    Status s = tf_rdma::WaitForWord(&word, target, Deadline(20000), nullptr,
+                                    c.spin_us);
+    int64_t cpu_ms = (tf_rdma::ThreadCpuNs() - cpu0) / 1000000;
+    publisher.join();
+    EXPECT_OK(s);
+    EXPECT_GE(cpu_ms, c.min_cpu_ms);
+    EXPECT_LE(cpu_ms, c.max_cpu_ms);
+  }
 }
 
 // ---------------------------------------------------------------------------
