@@ -168,6 +168,15 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
     makes the same choice on every rank. Call it on every rank, after the
     endpoint started. With one rank it measures only γ and δ.
 
+    Each probe (both sizes, both roots) is called once before it is timed
+    (the first call of a collective sets up its channels), and the small
+    and large probes alternate, so that a burst of load on a shared machine
+    falls on both: their difference gives the bandwidth term. α is a call's
+    whole time, the dispatch included, so on a busy machine it can come out
+    larger than a large probe's; the bandwidth term is then taken to be at
+    least the receiver's copy (δ), and β at least a tenth of it, never the
+    "free bandwidth" that would make ``auto`` pick by α alone.
+
     Returns:
         The :class:`tf_rdma.collectives.cost.Params` now in use.
     """
@@ -195,21 +204,21 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
         pair = Group(group.tasks[:2], rank=min(group.rank, 1)) \
             if group.rank < 2 else None
         if pair is not None:
-            small = tf.zeros([1], tf.float32)
-            large = tf.zeros([probe_bytes // 4], tf.float32)
-            times = {}
-            for label, t in (("small", small), ("large", large)):
-                for i in range(repeats + 1):
+            probes = {"small": tf.zeros([1], tf.float32),
+                      "large": tf.zeros([probe_bytes // 4], tf.float32)}
+            times = {"small": [], "large": []}
+            # Rounds 0 and 1 set up each probe's channels (both roots).
+            for i in range(2 + 2 * repeats):
+                for label, t in probes.items():
                     begin = time.perf_counter()
                     broadcast(t, root=i % 2, group=pair, algorithm="lp",
                               block_bytes=max(64, t.shape[0] * 4),
                               name=f"calibrate/{label}/{i % 2}",
                               timeout=timeout)
-                    if i:
-                        times.setdefault(label, []).append(
-                            time.perf_counter() - begin)
+                    if i >= 2:
+                        times[label].append(time.perf_counter() - begin)
             alpha = max(1e-7, float(np.median(times["small"])))
-            per_byte = max(1e-13, (float(np.median(times["large"])) - alpha)
+            per_byte = max(delta, (float(np.median(times["large"])) - alpha)
                            / probe_bytes)
             beta = max(per_byte - delta, 0.1 * per_byte)
     measured = tf.constant([alpha, beta, gamma, delta], tf.float64)
