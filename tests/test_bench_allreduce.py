@@ -118,6 +118,50 @@ def test_small_sizes_take_the_dispatch_off(bench):
         "not measured"
 
 
+def test_small_sizes_split_off_the_wait_for_peers(bench):
+    # The slowest rank waited 30 us of the 50 us left after the dispatch.
+    ring = entry("tf_rdma-ring", 64 * KiB, 150e-6)
+    ring["median_waited_s"] = 30e-6
+    results = [ring, entry(bench.DISPATCH, 64 * KiB, 100e-6),
+               entry(bench.OPENMPI, 64 * KiB, 30e-6),
+               entry("tf_rdma-ring", 4 * KiB, 95e-6),
+               entry(bench.DISPATCH, 4 * KiB, 100e-6),
+               entry(bench.OPENMPI, 4 * KiB, 3e-6)]
+    checks = bench.checks(results)
+    target = "best tf_rdma - dispatch <= openmpi's time"
+    missed = by_target(checks, 64 * KiB, 2, target)
+    assert missed["measured"]["best_waited_s"] == 30e-6
+    assert missed["bound"].startswith(
+        "of the 50.0 us after the dispatch the slowest rank waited 30.0 us "
+        "for its peers' blocks (they arrive that much later), the rest, "
+        "20.0 us, is its own work and its threads' hand-offs; the dispatch "
+        "alone")
+    # A call that measures less than an empty one costs nothing beyond it.
+    met = by_target(checks, 4 * KiB, 2, target)
+    assert met["verdict"] == "met" and met["ratio"] == 0
+    assert "= -5.0 us (none beyond the dispatch) vs openmpi" in met["line"]
+
+
+def test_combine_takes_the_wait_of_each_run_s_slowest_rank(bench):
+    def doc(rank, times, waits):
+        return {"rank": rank, "errors": {},
+                "times": {"tf_rdma-ring": {"4096": times},
+                          bench.DISPATCH: {"4096": times}},
+                "waits": {"tf_rdma-ring": {"4096": waits}}}
+    # Run 0: rank 1 is slowest (waited 7 us); run 1: rank 0 (waited 1 us);
+    # run 2: rank 1 (waited 5 us). The median of 7, 1, 5 is 5.
+    docs = [doc(0, [1e-3, 3e-3, 1e-3], [9e-6, 1e-6, 9e-6]),
+            doc(1, [2e-3, 2e-3, 2e-3], [7e-6, 8e-6, 5e-6])]
+    results, errors = bench.combine(docs, 2)
+    assert not errors
+    ring = next(r for r in results if r["system"] == "tf_rdma-ring")
+    assert ring["median_s"] == pytest.approx(2e-3)
+    assert ring["median_waited_s"] == pytest.approx(5e-6)
+    # The dispatch waits for nobody: no such key.
+    empty = next(r for r in results if r["system"] == bench.DISPATCH)
+    assert "median_waited_s" not in empty
+
+
 def test_1m_bound_names_the_floor_and_the_dispatch(bench):
     results = [entry("tf_rdma-rhd", MiB, 1e-3),
                entry(bench.DISPATCH, MiB, 600e-6),
