@@ -96,11 +96,12 @@ Status Engine::Start(const EngineConfig& config) {
     max_regions_per_peer_ = static_cast<int>(std::max<rlim_t>(
         64, std::min<rlim_t>(kMaxRegionsPerPeer, files.rlim_cur / 4)));
   }
+  // Before started_: collectives read config_.collective_spin_us.
+  ResolveCollectiveSpin(1 + PredictTransports());
   stopping_ = false;
   started_ = true;
   accept_thread_ = std::thread([this] { AcceptLoop(); });
   progress_thread_ = std::thread([this] { ProgressLoop(); });
-  ResolveCollectiveSpin(1 + PredictTransports());
   StartTimeline();
   return Status::Ok();
 }
