@@ -71,13 +71,41 @@ def test_4k_check_gives_the_dispatch_ceiling_and_the_marginal_ratio(p2p):
                   "marginal_hop_s": 200e-6},
                  {"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 8,
                   "marginal_hop_s": 40e-6}]
-    (line,) = p2p.check_lines(results, marginals)
+    line, hop = p2p.check_lines(results, marginals)
     assert line.startswith("4 KiB shm vs grpc: 1.2x (target >= 10x): MISSED")
     # The call's dispatch is 2.44 ms - 40 us = 2.4 ms; / 8 = 300 us per hop
     # at best; 500 / 300 = 1.7x at most.
     assert "a call costs 2.40 ms before its hop" in line
     assert "even a free hop costs 300.0 us: at most 1.7x" in line
     assert "marginal hop (no dispatch): 40.0 us vs 200.0 us, 5.0x" in line
+    # Issue 17's hop target, without a measured floor: no bound.
+    assert hop == ("4 KiB shm marginal hop (H = 8): 40.0 us (target <= "
+                   "10.0 us): MISSED")
+
+
+def test_the_hop_target_is_bounded_by_the_hop_floor(p2p):
+    marginals = [{"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 64,
+                  "marginal_hop_s": 25e-6}]
+    floor = [{"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 64,
+              "send_s": 4e-6, "recv_s": 14e-6},
+             {"system": "tf_rdma-tcp", "size_bytes": 4 * KiB, "hops": 64,
+              "send_s": 1e-6, "recv_s": 1e-6}]
+    (line,) = p2p.check_lines([], marginals, floor)
+    assert line == ("4 KiB shm marginal hop (H = 64): 25.0 us (target <= "
+                    "10.0 us): MISSED; bound: a hop's send and recv with "
+                    "nothing to wait for cost 4.0 us + 14.0 us = 18.0 us in "
+                    "this executor (the marginal op of a chain of 64 each)")
+    # A floor under the target is no bound: what is left is the waiting.
+    floor[0]["recv_s"] = 3e-6
+    (line,) = p2p.check_lines([], marginals, floor)
+    assert line.endswith("MISSED; a hop's send and recv with nothing to wait "
+                         "for cost 4.0 us + 3.0 us = 7.0 us in this executor "
+                         "(the marginal op of a chain of 64 each), so 18.0 us "
+                         "of the hop is its wait for the data and the "
+                         "hand-offs between threads")
+    fast = [dict(marginals[0], marginal_hop_s=9e-6)]
+    (line,) = p2p.check_lines([], fast, floor)
+    assert line.endswith("(target <= 10.0 us): met")
 
 
 def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
