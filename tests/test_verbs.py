@@ -183,25 +183,43 @@ def test_fallback_is_logged_once_with_one_line_per_pair(setting, expected):
     assert out["worker:0"].result["pair"] == [f"/job:worker/task:0 -> /job:worker/task:1 {chosen}"]
     assert f"uses {chosen}" in out["worker:0"].stderr
     # Small collectives spin for their blocks where both tasks have a CPU
-    # (TF_RDMA_COLLECTIVE_SPIN_US=auto), and the start-up log says why.
+    # (TF_RDMA_COLLECTIVE_SPIN_US=auto); a job without collectives is not
+    # told about it.
     spins = len(os.sched_getaffinity(0)) >= 2
     for res in out.values():
         assert res.result["spin"] == (500 if spins else 0)
-        why = "(2 tasks of the cluster on this host, "
-        lines = _log_lines(res.stderr, why)
-        assert len(lines) == 1 and (
-            "collectives of up to 1 MiB spin up to 500 us for each block"
-            if spins else "collectives sleep after a few us") in lines[0], \
-            res.stderr
+        assert _log_lines(res.stderr, "collectives ") == [], res.stderr
 
 
-def test_collective_spin_setting_overrides_auto():
-    out = run_tasks({"worker:0": FALLBACK, "worker:1": FALLBACK},
-                    env={"TF_RDMA_COLLECTIVE_SPIN_US": "0"})
+COLLECTIVE = """
+ep = start()
+from tf_rdma import collectives as C
+got = [C.all_reduce(tf.ones([4]), algorithm="oneshot").numpy().tolist()
+       for _ in range(2)]
+result({"got": got, "spin": tf_rdma.endpoint_info()["collective_spin_us"]})
+"""
+
+
+@pytest.mark.parametrize("setting", ["auto", "0", "750"])
+def test_the_first_collective_logs_how_collectives_wait(setting):
+    out = run_tasks({"worker:0": COLLECTIVE, "worker:1": COLLECTIVE},
+                    env={"TF_RDMA_COLLECTIVE_SPIN_US": setting})
+    auto = 500 if len(os.sched_getaffinity(0)) >= 2 else 0
+    spin = auto if setting == "auto" else int(setting)
+    cpus = len(os.sched_getaffinity(0))
+    why = (f"(2 tasks of the cluster on this host, {cpus} "
+           f"CPU{'' if cpus == 1 else 's'})" if setting == "auto"
+           else "(TF_RDMA_COLLECTIVE_SPIN_US)")
     for res in out.values():
-        assert res.result["spin"] == 0
-        assert len(_log_lines(res.stderr, "collectives sleep after a few us "
-                              "without their block (TF_RDMA_COLLECTIVE_SPIN_US)")) == 1
+        assert res.result["got"] == [[2.0] * 4] * 2
+        assert res.result["spin"] == spin
+        lines = _log_lines(res.stderr, "collectives ")
+        assert len(lines) == 1, res.stderr  # once per process
+        assert lines[0].endswith(
+            (f"collectives of up to 1 MiB spin up to {spin} us for each "
+             f"block before sleeping {why}") if spin else
+            f"collectives sleep after a few us without their block {why}"), \
+            lines
 
 
 REFUSED = """

@@ -877,6 +877,7 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
         "process; call tf_rdma.start_endpoint (or use RdmaStrategy) first");
   }
   TF_RDMA_RETURN_IF_ERROR(spec.Validate(engine->config().task));
+  engine->LogCollectiveSpin();
   InstanceState* state = GetInstance(spec.instance);
   std::lock_guard<std::mutex> lock(state->mu);
   if (!state->poisoned.empty()) {

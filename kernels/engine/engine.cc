@@ -207,12 +207,17 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
     why = "TF_RDMA_COLLECTIVE_SPIN_US";
   }
   std::string limit = std::to_string(kLatencyBoundBytes >> 20) + " MiB";
-  Log(config_.collective_spin_us > 0
+  spin_choice_ =
+      config_.collective_spin_us > 0
           ? "collectives of up to " + limit + " spin up to " +
                 std::to_string(config_.collective_spin_us) +
                 " us for each block before sleeping (" + why + ")"
           : "collectives sleep after a few us without their block (" + why +
-                ")");
+                ")";
+}
+
+void Engine::LogCollectiveSpin() {
+  std::call_once(spin_logged_, [this] { Log(spin_choice_); });
 }
 
 void Engine::Stop() {

@@ -234,6 +234,9 @@ class Engine {
   void Stop();
   bool started() const { return started_.load(); }
   const EngineConfig& config() const { return config_; }
+  // Logs, once per process, how collectives wait (the first collective
+  // calls it: a job without collectives is not told).
+  void LogCollectiveSpin();
   int listen_port() const { return listen_port_; }
   // A JSON object: task, listen_port, transport (the setting),
   // refused_connections, verbs (the device, or "unusable: <why>"), pairs
@@ -501,7 +504,8 @@ class Engine {
   // returns how many of the peers it expects on this host.
   int PredictTransports();
   // Turns config_.collective_spin_us "auto" into microseconds, given the
-  // cluster's tasks on this host (this one included), and logs the choice.
+  // cluster's tasks on this host (this one included), and words the choice
+  // for LogCollectiveSpin.
   void ResolveCollectiveSpin(int tasks_here);
   // Starts the timeline of config_.timeline, if set (timeline.cc); a file
   // that cannot be created is logged, and the endpoint runs without it.
@@ -554,6 +558,10 @@ class Engine {
   int limited_count_ = 0;
   uint64_t limited_suppressed_ = 0;
   std::string limited_last_;
+
+  // ResolveCollectiveSpin's words, logged by the first collective.
+  std::string spin_choice_;
+  std::once_flag spin_logged_;
 
   // Blocking-work threads (Schedule).
   ThreadPool pool_{[this](const std::string& line) { LogLimited(line); }};
