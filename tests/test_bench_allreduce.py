@@ -136,6 +136,13 @@ def test_small_sizes_split_off_the_wait_for_peers(bench):
         "for its peers' blocks (they arrive that much later), the rest, "
         "20.0 us, is its own work and its threads' hand-offs; the dispatch "
         "alone")
+    # A wait as long as all of it (medians do not subtract exactly).
+    ring["median_waited_s"] = 60e-6
+    missed = by_target(bench.checks(results), 64 * KiB, 2, target)
+    assert missed["bound"].startswith(
+        "the slowest rank waited 60.0 us for its peers' blocks, as long as "
+        "all the 50.0 us after the dispatch (they arrive that much later); "
+        "the dispatch alone")
     # A call that measures less than an empty one costs nothing beyond it.
     met = by_target(checks, 4 * KiB, 2, target)
     assert met["verdict"] == "met" and met["ratio"] == 0
