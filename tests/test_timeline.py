@@ -73,7 +73,14 @@ for step in range(1, STEPS + 1):
 time.sleep(1.0)
 touch("done_" + me[-1])
 wait_file("done_" + peer[-1])
-result({"good": good, "pid": os.getpid()})
+threads = set()
+for tid in os.listdir("/proc/self/task"):
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            threads.add(f.read().strip())
+    except FileNotFoundError:  # the thread ended meanwhile
+        pass
+result({"good": good, "pid": os.getpid(), "threads": sorted(threads)})
 """
 
 
@@ -138,6 +145,27 @@ def test_each_process_writes_its_own_file(run):
             assert o["rtt_ns"] > 0, o
             # One host, one clock: the offset is within its error bound.
             assert abs(o["offset_ns"]) <= o["rtt_ns"] / 2 + 1_000_000, o
+
+
+# docs/observability.md, "Threads": every thread tf_rdma starts.
+THREADS = {"tfrdma-accept", "tfrdma-auth", "tfrdma-engine", "tfrdma-poller",
+           "tfrdma-progress", "tfrdma-reader", "tfrdma-timeline",
+           "tfrdma-watchdog"}
+
+
+def test_tf_rdma_threads_are_named(run):
+    """tf_rdma's threads carry their role, not the name of the thread that
+    started them ("python", "tf_Compute"): top -H, perf and gdb tell them
+    apart."""
+    for task, res in run["out"].items():
+        names = set(res.result["threads"])
+        ours = {n for n in names if n.startswith("tfrdma-")}
+        assert ours <= THREADS, (task, ours - THREADS)
+        # Always there once the endpoint runs, a peer is connected, a
+        # collective ran and the timeline is on.
+        needed = {"tfrdma-accept", "tfrdma-progress", "tfrdma-reader",
+                  "tfrdma-engine", "tfrdma-timeline"}
+        assert needed <= names, (task, sorted(names))
 
 
 def test_merge_prints_offsets_and_holds_both_tasks(run):

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "kernels/common/text.h"
+#include "kernels/common/thread_name.h"
 #include "kernels/common/trace.h"
 
 namespace tf_rdma {
@@ -346,7 +347,10 @@ Status Start(const std::string& dir, const std::string& task, Clocks clocks,
     t.stop = false;
   }
   g_running.store(true, std::memory_order_release);
-  t.writer = std::thread(WriterLoop);
+  t.writer = std::thread([] {
+    NameThisThread("tfrdma-timeline");
+    WriterLoop();
+  });
   trace::SetTap(&Tap);
   *path = file;
   return Status::Ok();

@@ -50,7 +50,10 @@ Status Engine::AddToProgress(const std::shared_ptr<Connection>& conn) {
     connections_.insert(conn);
   }
   try {
-    std::thread([this, conn] { ReadLoop(conn); }).detach();
+    std::thread([this, conn] {
+      NameThisThread("tfrdma-reader");
+      ReadLoop(conn);
+    }).detach();
   } catch (const std::system_error& e) {
     Status s = Unavailable(std::string("cannot start the connection's reader "
                                        "thread: ") + e.what() +

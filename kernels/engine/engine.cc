@@ -100,8 +100,14 @@ Status Engine::Start(const EngineConfig& config) {
   ResolveCollectiveSpin(1 + PredictTransports());
   stopping_ = false;
   started_ = true;
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
-  progress_thread_ = std::thread([this] { ProgressLoop(); });
+  accept_thread_ = std::thread([this] {
+    NameThisThread("tfrdma-accept");
+    AcceptLoop();
+  });
+  progress_thread_ = std::thread([this] {
+    NameThisThread("tfrdma-progress");
+    ProgressLoop();
+  });
   StartTimeline();
   return Status::Ok();
 }

@@ -48,6 +48,7 @@
 
 #include "kernels/common/region.h"
 #include "kernels/common/status.h"
+#include "kernels/common/thread_name.h"
 #include "kernels/common/trace.h"
 #include "kernels/common/transport_choice.h"
 #include "kernels/common/wait.h"

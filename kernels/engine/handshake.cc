@@ -221,6 +221,7 @@ void Engine::AcceptLoop() {
     }
     try {
       std::thread([this, fd, source] {
+        NameThisThread("tfrdma-auth");
         Handshake(fd);
         EndHandshake(source);
       }).detach();

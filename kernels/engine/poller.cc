@@ -115,7 +115,10 @@ void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
   }
   p->next_check = Clock::now() + std::chrono::milliseconds(kCheckEveryMs);
   std::call_once(poller_once_, [this] {
-    std::thread([this] { PollerLoop(); }).detach();
+    std::thread([this] {
+      NameThisThread("tfrdma-poller");
+      PollerLoop();
+    }).detach();
   });
   {
     std::lock_guard<std::mutex> lock(poller_mu_);

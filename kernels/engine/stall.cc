@@ -159,7 +159,10 @@ std::shared_ptr<StallWait> Engine::BeginStall(int kind, RecvSlot* recv,
   }
   if (warning > 0) {
     std::call_once(watchdog_once_, [this] {
-      std::thread([this] { WatchdogLoop(); }).detach();
+      std::thread([this] {
+        NameThisThread("tfrdma-watchdog");
+        WatchdogLoop();
+      }).detach();
     });
   }
   return w;

@@ -5,6 +5,8 @@
 #include <thread>
 #include <utility>
 
+#include "kernels/common/thread_name.h"
+
 namespace tf_rdma {
 
 void ThreadPool::Schedule(std::function<void()> fn) {
@@ -19,7 +21,10 @@ void ThreadPool::Schedule(std::function<void()> fn) {
     return;
   }
   try {
-    std::thread([this] { Run(); }).detach();
+    std::thread([this] {
+      NameThisThread("tfrdma-engine");
+      Run();
+    }).detach();
     ++threads_;
   } catch (const std::system_error& e) {
     // No thread to be had (a pids limit): the item waits for a pool thread
