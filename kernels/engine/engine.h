@@ -321,6 +321,9 @@ class Engine {
   // ClockOffset to every connected peer, as JSON: {"task": ..., "peers":
   // {peer: {"offset_ns", "rtt_ns"} or {"error"}}}.
   std::string ClockOffsets(int samples, int64_t timeout_ms);
+  // The tasks this process has a live control connection with, whichever
+  // side dialed, sorted, each once.
+  std::vector<std::string> ConnectedPeers();
 
   // Runs `fn` on an engine thread that may block (in bounded waits).
   void Schedule(std::function<void()> fn);

@@ -111,18 +111,22 @@ Status Engine::ClockOffset(const std::string& peer, int samples,
   return Status::Ok();
 }
 
-std::string Engine::ClockOffsets(int samples, int64_t timeout_ms) {
+std::vector<std::string> Engine::ConnectedPeers() {
+  // Every connection, dialed or accepted, is in connections_ while its
+  // reader runs (AddToProgress).
   std::set<std::string> peers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& conn : connections_) {
-      if (!conn->gone.load()) peers.insert(conn->peer);
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& conn : connections_) {
+    if (!conn->gone.load()) peers.insert(conn->peer);
   }
+  return std::vector<std::string>(peers.begin(), peers.end());
+}
+
+std::string Engine::ClockOffsets(int samples, int64_t timeout_ms) {
   std::string out = "{\"task\": " + JsonString(config_.task) +
                     ", \"peers\": {";
   bool first = true;
-  for (const std::string& peer : peers) {
+  for (const std::string& peer : ConnectedPeers()) {
     ClockSample sample;
     Status s = ClockOffset(peer, samples, Deadline(timeout_ms), &sample);
     out += std::string(first ? "" : ", ") + JsonString(peer) + ": ";

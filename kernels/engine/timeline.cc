@@ -8,7 +8,6 @@
 // connection (query.cc). Cost: kTimelineSamples small frames each way per
 // peer and measurement, on the writer thread; nothing on the data path.
 
-#include <set>
 #include <string>
 #include <vector>
 
@@ -27,17 +26,7 @@ constexpr int kTimelineSamples = 8;
 void Engine::StartTimeline() {
   if (config_.timeline.empty()) return;
   timeline::Clocks clocks;
-  clocks.peers = [this] {
-    std::set<std::string> peers;
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& conn : connections_) {
-      if (!conn->gone.load()) peers.insert(conn->peer);
-    }
-    for (const auto& dialed : dialed_) {
-      if (!dialed.second->gone.load()) peers.insert(dialed.first);
-    }
-    return std::vector<std::string>(peers.begin(), peers.end());
-  };
+  clocks.peers = [this] { return ConnectedPeers(); };
   clocks.measure = [this](const std::string& peer, int64_t deadline_ms,
                           timeline::ClockOffset* out) {
     ClockSample sample;
