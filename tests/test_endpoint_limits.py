@@ -454,7 +454,7 @@ def test_unrequested_open_reply_closes_and_fds_return_to_baseline(ep):
                                   + reply_body)
                 assert closed_within(peer.sock, 10), "unrequested reply was taken"
             elif kind == 2:
-                code, reply = peer.reopen(raw_open_fields("cycling"))
+                code, reply = peer.open_fields(raw_open_fields("cycling"))
                 assert code == 0, reply
 
     for kind in range(4):  # warm-up: the region exists, pools have started
@@ -568,6 +568,40 @@ def test_write_to_region_id_plus_2_32_is_rejected(ep):
         assert code == 0, reply
     data = ep.segment(shm, size)
     assert data[:64] == b"\xab" * 64 and data[-8:] == (7).to_bytes(8, "little")
+
+
+def test_a_writer_that_dials_again_takes_its_region_over(ep):
+    """A writer process that dials again while the endpoint still holds its
+    old connection (the endpoint has not yet seen that close) gets its
+    region on the new connection at once, not "already has a connected
+    writer": the same task and incarnation prove the old connection dead,
+    and the endpoint closes it. The region stays its writer task's."""
+    writer, incarnation = task(8), os.urandom(8).hex()
+    fields = raw_open_fields("redialled")
+    with ep.peer(incarnation=incarnation).connect_as(writer) as old:
+        code, reply = old.open_fields(fields)
+        assert code == 0, reply
+        region_id = int(reply["id"])
+        with ep.peer(incarnation=incarnation).connect_as(writer) as new:
+            code, reply = new.open_fields(fields)  # no retry: at once
+            assert code == 0, reply
+            assert int(reply["id"]) == region_id, reply
+            assert closed_within(old.sock, 10), "the old connection stayed open"
+            line = (rf"lost connection {re.escape(writer)} -> {re.escape(READER)}: "
+                    rf"{re.escape(writer)} dialled again; its new connection "
+                    rf"replaces this one")
+            deadline = time.monotonic() + 10
+            while not re.search(line, ep.endpoint.stderr()):
+                assert time.monotonic() < deadline, ep.describe()
+                time.sleep(0.05)
+            with ep.peer().connect_as(task(2)) as other:  # still not theirs
+                code, text = other.open_fields(fields)
+                assert code == FAILED_PRECONDITION, text
+                assert f"written by {writer}, now asked for" in text, text
+            # The new connection holds the region and still works.
+            code, reply = new.open_fields(fields)
+            assert code == 0 and int(reply["id"]) == region_id, reply
+    assert probe_transfer(ep) < 5
 
 
 @pytest.mark.parametrize("index, sent", [

@@ -114,7 +114,7 @@ class Identity:
             self.peer = self.live.peer(incarnation=self.incarnation).connect_as(self.task)
             self.reconnects += 1
             for name in self.own():
-                code, reply = self.peer.reopen(self.open_fields(name))
+                code, reply = self.peer.open_fields(self.open_fields(name))
                 assert code == 0, (self.task, name, reply)
                 self.ids[name] = int(reply["id"])
         return self.peer

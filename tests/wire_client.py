@@ -189,20 +189,6 @@ class RawPeer:
         self.sock.sendall(frame)
         return self.read_reply(request, QUERY_REPLY)
 
-    def reopen(self, fields, within=5.0):
-        """open_fields for a region this writer held on a connection it
-        closed: until the endpoint has noticed that close, the region still
-        "has a connected writer"; asks again until `within` s have passed."""
-        import time
-
-        deadline = time.monotonic() + within
-        while True:
-            code, reply = self.open_fields(fields)
-            if code == 0 or "already has a connected writer" not in str(reply) \
-                    or time.monotonic() > deadline:
-                return code, reply
-            time.sleep(0.05)
-
     def write_frame(self, region_id, offset, payload, notice, seq, nbytes=None):
         n = len(payload) if nbytes is None else nbytes
         return header(WRITE, a=region_id, b=offset, c=n, d=notice, e=seq) + payload

@@ -139,6 +139,15 @@ bool NameBelongsTo(const std::string& name, const std::string& writer,
 // asking for more than there is fails with an error instead of a SIGBUS
 // later; and a region keeps the writer that first opened it (a second live
 // writer is refused; a writer whose connection was lost is replaced).
+//
+// "Lost" is the writer's view before it is the reader's: a writer redials as
+// soon as it finds its connection gone, and its OPEN on the new connection
+// can arrive before this side's reader thread has seen the old one close.
+// A writer process dials at most one connection to a peer at a time (it
+// dials again only once the old one is gone for it), so an OPEN from the
+// same process (task and incarnation) on another connection proves the old
+// one dead: it is closed here and the new one takes the region over, rather
+// than the OPEN being refused for a writer that no longer exists.
 void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                         uint64_t request_id, const std::string& body) {
   OpenRequest request;
@@ -157,6 +166,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                          config_.task);
   }
   LocalRegion* region = nullptr;
+  std::shared_ptr<Connection> replaced;  // the same writer's old connection
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     bool exists = data_regions_.count(name) > 0;
@@ -186,8 +196,13 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     }
     if (s.ok() && region->writer && region->writer != conn &&
         !region->writer->gone.load()) {
-      s = FailedPrecondition("region '" + Printable(name) +
-                             "' already has a connected writer");
+      if (region->writer->peer == conn->peer &&
+          region->writer->incarnation == conn->incarnation) {
+        replaced = region->writer;
+      } else {
+        s = FailedPrecondition("region '" + Printable(name) +
+                               "' already has a connected writer");
+      }
     }
     if (s.ok() && region->writer != conn) {
       RegionDescriptor credits = DecodeDescriptor(f, "credit_");
@@ -203,6 +218,11 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                             std::memory_order_release);
       }
     }
+  }
+  if (replaced) {
+    CloseConnection(replaced,
+                    Unavailable(conn->peer + " dialled again; its new "
+                                "connection replaces this one"));
   }
   // Outside mu_: verbs registers the region here (pins it, once), which
   // takes a while for a large one.
