@@ -246,6 +246,34 @@ def test_timeouts_carry_the_peer_position():
     print(recv["message"], coll["message"], send["message"], sep="\n")
 
 
+ABSENT_PEER_PROGRAM = """
+A, B = "/job:worker/task:0", "/job:worker/task:1"
+plan = tf_rdma.Plan([tf_rdma.Transfer("x", A, B, "float32", [16])], name="absent")
+start()
+result({"send": error_of(lambda: tf_rdma.ops.send(tf.zeros([16]), plan, "x"))})
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_send_to_a_peer_that_never_starts():
+    """worker:1 never runs: worker:0's send keeps dialling it. The stall
+    inspector names the send, its step and the peer it cannot connect to
+    while that lasts; the send fails at its timeout."""
+    out = run_tasks({A: ABSENT_PEER_PROGRAM}, cluster=make_cluster(2),
+                    env={"TF_RDMA_STALL_WARNING": "1", "TF_RDMA_TIMEOUT": "4"},
+                    timeout=100)
+    send = out[A].result["send"]
+    assert send and "DeadlineExceeded" in send["type"], send
+    lines = stall_lines(out[A].stderr)
+    wanted = [line for line in lines
+              if "stall: send of tensor 'x' step 1 waits" in line and
+              f"to connect to {B} and open its region there, which has not "
+              "accepted a connection from this side yet (not started, or not "
+              "reachable at its address)" in line]
+    assert wanted, out[A].describe()
+    print(wanted[0])
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("raw", ["-1", "soon", "nan", "inf", "1e9"])
 def test_setting_is_checked(raw):

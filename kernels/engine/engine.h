@@ -432,7 +432,9 @@ class Engine {
                         LocalRegion** out);
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
-  Status BindSendSlot(SendSlot* slot, const Deadline& deadline,
+  // `step`: the send's (with match_calls its call's), for the stall
+  // inspector while it connects.
+  Status BindSendSlot(SendSlot* slot, uint64_t step, const Deadline& deadline,
                       SendBinding* out);
   Status OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
                           const std::string& name, uint64_t size,

@@ -156,14 +156,17 @@ struct RecvSlot {
 };
 
 // A wait the stall inspector watches (stall.cc): registered when an op
-// begins to sleep for its data or its credit, until the wait ends.
+// begins to sleep for its data or its credit, or a send begins to connect,
+// until the wait ends.
 struct StallWait {
   static constexpr int kData = 0;    // a recv waiting for the sender's notice
   static constexpr int kCredit = 1;  // a send waiting for a copy's credit
+  // A send connecting: dialling its peer, then opening its region there.
+  static constexpr int kConnect = 2;
   int kind = kData;
   const SlotSpec* spec = nullptr;  // the slot's (slots live as long as the engine)
   RecvSlot* recv = nullptr;        // kData
-  SendSlot* send = nullptr;        // kCredit
+  SendSlot* send = nullptr;        // kCredit, kConnect
   // The slot's step, or with match_calls the call's id (as Describe).
   uint64_t step = 0;
   uint64_t need = 0;  // kCredit, in order: the step the reader must release

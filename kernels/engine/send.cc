@@ -52,8 +52,8 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
   return Status::Ok();
 }
 
-Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
-                            SendBinding* out) {
+Status Engine::BindSendSlot(SendSlot* slot, uint64_t step,
+                            const Deadline& deadline, SendBinding* out) {
   std::lock_guard<std::mutex> lock(slot->mu);
   const SlotSpec& spec = slot->spec;
   Status lost;
@@ -70,6 +70,15 @@ Status Engine::BindSendSlot(SendSlot* slot, const Deadline& deadline,
                                       " was lost");
     slot->bound = false;
   }
+  // Dialling and the OPEN may wait for a peer that is not up yet: the stall
+  // inspector names it if that lasts.
+  std::shared_ptr<StallWait> stall =
+      BeginStall(StallWait::kConnect, nullptr, slot, step, 0);
+  struct EndAtReturn {
+    Engine* engine;
+    const std::shared_ptr<StallWait>& wait;
+    ~EndAtReturn() { engine->EndStall(wait); }
+  } end_stall{this, stall};
   std::shared_ptr<Connection> conn;
   Status dialed = GetConnection(
       spec.peer,
@@ -363,7 +372,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   SendBinding bound;
   CreditWaitEnd credit_wait(&stats_, spec.peer, &ticket.waiting_since,
                             &bound.stats);
-  Status s = BindSendSlot(slot, deadline, &bound);
+  Status s = BindSendSlot(
+      slot, spec.match_calls ? ticket.call : ticket.step, deadline, &bound);
   const std::shared_ptr<Connection>& conn = bound.conn;
   if (!s.ok()) {
     return s.code() == Code::kDeadlineExceeded

@@ -2,7 +2,9 @@
 //
 // What. A send or recv that has to sleep (a recv whose data has not landed,
 // a send whose copy the reader has not released, each block of a
-// collective) registers its wait here while it sleeps. One watchdog thread
+// collective) registers its wait here while it sleeps; so does a send while
+// it connects (dials its peer and opens its region there), which waits for
+// as long as the peer is not up. One watchdog thread
 // looks at the registered waits every quarter of a second; a wait older
 // than TF_RDMA_STALL_WARNING (EngineConfig::stall_warning_ms) gets one log
 // line, for the oldest wait of its slot (one line per stalled slot, however
@@ -248,6 +250,15 @@ std::string Engine::StallSubject(const StallWait& w, Clock::time_point now) {
   const SlotSpec& spec = *w.spec;
   const std::string waits = " waits " + Seconds(now - w.since) + " for ";
   const bool data = w.kind == StallWait::kData;
+  if (w.kind == StallWait::kConnect) {
+    std::string head = w.collective.empty()
+                           ? "send of tensor '" + spec.tensor_name + "' " +
+                                 StepWord(spec, w.step)
+                           : w.collective + " step " +
+                                 std::to_string(w.collective_step);
+    return head + " waits " + Seconds(now - w.since) + " to connect to " +
+           spec.peer + " and open its region there";
+  }
   if (!w.collective.empty()) {
     std::string head = w.collective + " step " +
                        std::to_string(w.collective_step) + waits;
@@ -270,6 +281,15 @@ std::string Engine::StallSubject(const StallWait& w, Clock::time_point now) {
 std::string Engine::PeerPosition(const StallWait& w, const Deadline& deadline,
                                  bool* answered) {
   const SlotSpec& spec = *w.spec;
+  std::vector<std::string> connected;
+  if (w.kind == StallWait::kConnect) connected = ConnectedPeers();
+  if (w.kind == StallWait::kConnect &&
+      std::find(connected.begin(), connected.end(), spec.peer) ==
+          connected.end()) {
+    *answered = false;
+    return "has not accepted a connection from this side yet (not started, "
+           "or not reachable at its address)";
+  }
   std::map<std::string, std::string> fields = {
       {"what", "position"},
       {"slot", SlotKey(spec)},
@@ -330,6 +350,9 @@ std::string Engine::LocalFacts(const StallWait& w) {
     return "the last it wrote here was " + unit + std::to_string(last);
   }
   SendSlot* slot = w.send;
+  if (w.kind == StallWait::kConnect) {
+    return "this side is connected to it and waits for its answer";
+  }
   if (!slot->bound.load(std::memory_order_acquire) ||
       slot->credits == nullptr) {
     return "this side has not connected to it";
