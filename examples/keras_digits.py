@@ -64,8 +64,10 @@ there). RdmaStrategy needs neither.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -208,6 +210,27 @@ def run_worker(args):
 # The driver.
 
 
+# What TensorFlow prints at import in every worker before it reads
+# TF_CPP_MIN_LOG_LEVEL (absl's preamble, oneDNN's INFO line): not passed on
+# to this program's stderr while that level asks for no INFO.
+_TF_STARTUP_NOTICE = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|^I\d{4} [\d:. ]+\d+ port\.cc:\d+\] oneDNN custom operations are on")
+
+
+def _forward_stderr(stream, quiet):
+    """Copies a worker's stderr to ours, line by line (tf_rdma's lines)."""
+    for line in stream:
+        if not (quiet and _TF_STARTUP_NOTICE.search(line)):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _collect(stream, outputs, index):
+    """Reads a worker's stdout to its end into outputs[index]."""
+    outputs[index] = stream.read()
+
+
 def _run_workers(args, strategy, num_workers, passthrough):
     """Starts num_workers copies of this script as workers; returns rank 0's result."""
     sys.path.insert(0, REPO)
@@ -219,32 +242,42 @@ def _run_workers(args, strategy, num_workers, passthrough):
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_RDMA_SECRET", os.urandom(16).hex())
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    procs = []
+    quiet = env["TF_CPP_MIN_LOG_LEVEL"].strip() not in ("", "0")
+    procs, forwarders, outputs = [], [], [""] * num_workers
     for i in range(num_workers):
         e = dict(env, TF_CONFIG=json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": i}}))
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--strategy",
              strategy] + passthrough,
-            env=e, stdout=subprocess.PIPE, text=True, start_new_session=True))
+            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
+        # stderr is forwarded as it comes, stdout (the result) collected.
+        forwarders.append(threading.Thread(
+            target=_forward_stderr, args=(procs[-1].stderr, quiet),
+            daemon=True))
+        forwarders.append(threading.Thread(
+            target=_collect, args=(procs[-1].stdout, outputs, i),
+            daemon=True))
+    for forwarder in forwarders:
+        forwarder.start()
     deadline = time.monotonic() + args.timeout
-    outputs = []
     failed = None
     for i, proc in enumerate(procs):
         try:
-            stdout, _ = proc.communicate(
-                timeout=max(1.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            stdout, _ = proc.communicate()
+            proc.wait()
             failed = failed or f"worker {i} did not finish in {args.timeout:g} s"
         if proc.returncode != 0 and failed is None:
             failed = f"worker {i} exited with status {proc.returncode}"
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        outputs.append(stdout)
+    for forwarder in forwarders:
+        forwarder.join(timeout=10)
     if failed is not None:
         raise RuntimeError(f"{strategy}: {failed}")
     results = [json.loads(line[len(RESULT_PREFIX):])
