@@ -165,7 +165,7 @@ def worker_main(args):
     name = system_name(args.worker, args.algorithm)
     doc = {"system": name, "rank": rank, "P": nranks, "pid": os.getpid(),
            "info": {"tensorflow": tf.__version__, "keras": keras.__version__},
-           "step_times": [], "losses": [], "done": False}
+           "step_times": [], "step_cpu": [], "losses": [], "done": False}
     path = os.path.join(args.out, f"rank{rank}.json")
 
     def save():
@@ -269,8 +269,10 @@ def worker_main(args):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
     def step():
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         loss = float(train_step(x, y).numpy())
+        # process_time: every thread of this worker (TensorFlow's, tf_rdma's).
+        doc["step_cpu"].append(time.process_time() - cpu0)
         return time.perf_counter() - t0, loss
 
     def reach(tag):
@@ -351,6 +353,12 @@ def combine(name, nranks, docs, args, grad_bytes):
     global_batch = args.batch * nranks
     payload = rank0.get("info", {}).get("payload_bytes")
     extra = {}
+    # The timed steps' (nocomm's untimed steps after them are left out).
+    cpu = [d.get("step_cpu", [])[args.warmup:len(d["step_times"])]
+           for d in docs]
+    if all(cpu):
+        # CPU time of one step, all workers' together (their medians).
+        extra["cpu_per_step_s"] = sum(statistics.median(c) for c in cpu)
     if name == NOCOMM:
         # Steps a rank ran after its timed ones, waiting for the others.
         extra["untimed_steps_after"] = [d.get("untimed_steps_after")
@@ -390,7 +398,38 @@ def add_scaling(results):
             if "scaling_vs_nocomm" in r}
 
 
-def scaling_check(rdma, nocomm, scaling, ranks):
+def cpu_bound(rdma, nocomm, cpus):
+    """What the workers' CPU time allows RdmaStrategy to keep.
+
+    A step cannot take less wall time than the CPU time all workers spend
+    on it divided by the CPUs they share. From RdmaStrategy's measured CPU
+    per step (spins included, so this bounds the step as it now works, not
+    any exchange) that caps the scaling at nocomm's step over that time.
+
+    Args:
+      rdma, nocomm: Results with ``cpu_per_step_s`` and ``median_s``.
+      cpus: The CPUs the workers share.
+
+    Returns:
+      ``(text, cap)``: a clause for the check line and the cap (0..), or
+      ``("", None)`` without the CPU times.
+    """
+    if not nocomm or "cpu_per_step_s" not in rdma or \
+            "cpu_per_step_s" not in nocomm:
+        return "", None
+    least = rdma["cpu_per_step_s"] / cpus
+    cap = nocomm["median_s"] / least
+    extra = rdma["cpu_per_step_s"] - nocomm["cpu_per_step_s"]
+    return (f"CPU per step, all workers: {rdma['system']} "
+            f"{human_time(rdma['cpu_per_step_s'])}, nocomm "
+            f"{human_time(nocomm['cpu_per_step_s'])} "
+            f"({'+' if extra >= 0 else '-'}{human_time(abs(extra))}); on "
+            f"{cpus} CPU{'' if cpus == 1 else 's'} a step of "
+            f"{rdma['system']}'s takes at least {human_time(least)}, so it "
+            f"keeps at most {100 * min(cap, 9.99):.0f}% here"), cap
+
+
+def scaling_check(rdma, nocomm, scaling, ranks, cpus=None):
     """The scaling check line: RdmaStrategy's against the target.
 
     Args:
@@ -401,6 +440,8 @@ def scaling_check(rdma, nocomm, scaling, ranks):
         printed for context).
       ranks: P. The target is set at P = 2; at another P the line says so
         instead of a verdict.
+      cpus: The CPUs the workers share; with it, and both systems' CPU
+        times, the line ends with ``cpu_bound``'s clause.
 
     Returns:
       The line, or one saying why there is no scaling.
@@ -416,11 +457,13 @@ def scaling_check(rdma, nocomm, scaling, ranks):
                   f"P={TARGET_SCALING_RANKS})")
     others = "; ".join(f"{s} {100 * x:.0f}%" for s, x in scaling.items()
                        if s != rdma["system"])
+    bound, _ = cpu_bound(rdma, nocomm, cpus) if cpus else ("", None)
     return (f"check: P={ranks}: RdmaStrategy keeps {100 * kept:.0f}% of the "
             f"communication-free step ({rdma['system']} "
             f"{human_time(rdma['median_s'])} vs nocomm "
             f"{human_time(nocomm['median_s'])}; {target}"
-            + (f"; for context {others}" if others else ""))
+            + (f"; for context {others}" if others else "")
+            + (f"; {bound}" if bound else ""))
 
 
 def orchestrate(args):
@@ -552,7 +595,8 @@ def orchestrate(args):
         print("check: no speedup over MWMS (mwms or tf_rdma not run or "
               "gave no result)")
     if rdma:
-        print(scaling_check(rdma, nocomm, scaling, args.ranks))
+        print(scaling_check(rdma, nocomm, scaling, args.ranks,
+                            len(os.sched_getaffinity(0))))
     dense = by.get(system_name("tf_rdma_dense", args.algorithm))
     if args.model == "embedding" and rdma and dense and \
             rdma.get("payload_bytes_per_rank"):

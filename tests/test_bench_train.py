@@ -88,3 +88,36 @@ def test_scaling_check_line(train, rdma_s, ranks, ending):
 def test_scaling_check_without_nocomm(train):
     rdma = {"system": "tf_rdma-auto", "median_s": 0.25}
     assert "no scaling" in train.scaling_check(rdma, None, {}, 2)
+
+
+def test_the_cpu_bound_ends_the_scaling_line(train):
+    """All workers' CPU per step over the CPUs caps the step from below."""
+    rdma = {"system": "tf_rdma-auto", "median_s": 0.16, "cpu_per_step_s": 0.30}
+    nocomm = {"system": "nocomm", "median_s": 0.135, "cpu_per_step_s": 0.26}
+    text, cap = train.cpu_bound(rdma, nocomm, 2)
+    assert cap == pytest.approx(0.135 / 0.15)
+    assert text == ("CPU per step, all workers: tf_rdma-auto 300.00 ms, nocomm "
+                    "260.00 ms (+40.00 ms); on 2 CPUs a step of tf_rdma-auto's "
+                    "takes at least 150.00 ms, so it keeps at most 90% here")
+    line = train.scaling_check(rdma, nocomm,
+                               train.add_scaling([rdma, nocomm]), 2, cpus=2)
+    assert line.endswith("; " + text), line
+    # Without the CPU times (an older run's JSON) or the CPU count: no clause.
+    assert train.cpu_bound({"system": "x", "median_s": 0.2}, nocomm, 2) == ("", None)
+    assert "CPU per step" not in train.scaling_check(
+        rdma, nocomm, train.add_scaling([rdma, nocomm]), 2)
+
+
+def test_cpu_per_step_sums_the_workers_timed_steps(train):
+    """The warm-up and nocomm's untimed steps after the timed ones (their
+    CPU is recorded too) are left out; the workers' medians add up."""
+    docs = [_doc(0, [9.0, 0.1, 0.3], step_cpu=[5.0, 0.2, 0.4, 7.0],
+                 untimed_steps_after=1),
+            _doc(1, [9.0, 0.2, 0.1], step_cpu=[5.0, 0.3, 0.1],
+                 untimed_steps_after=0)]
+    r = train.combine("nocomm", 2, docs, _args(), grad_bytes=400)
+    assert r["cpu_per_step_s"] == pytest.approx(0.3 + 0.2)
+    # An older worker without step_cpu: no CPU time, no bound.
+    old = [_doc(0, [9.0, 0.1]), _doc(1, [9.0, 0.2])]
+    assert "cpu_per_step_s" not in train.combine("nocomm", 2, old, _args(),
+                                                 grad_bytes=400)
