@@ -64,7 +64,6 @@ there). RdmaStrategy needs neither.
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -210,18 +209,13 @@ def run_worker(args):
 # The driver.
 
 
-# What TensorFlow prints at import in every worker before it reads
-# TF_CPP_MIN_LOG_LEVEL (absl's preamble, oneDNN's INFO line): not passed on
-# to this program's stderr while that level asks for no INFO.
-_TF_STARTUP_NOTICE = re.compile(
-    r"^WARNING: All log messages before absl::InitializeLog\(\) is called"
-    r"|^I\d{4} [\d:. ]+\d+ port\.cc:\d+\] oneDNN custom operations are on")
+def _forward_stderr(stream, env):
+    """Copies a worker's stderr to ours, line by line, without TensorFlow's
+    start-up notices when `env` asks for no INFO (as tf-rdma launch does)."""
+    from tf_rdma.launch import hides_tensorflow_notice  # pylint: disable=import-outside-toplevel
 
-
-def _forward_stderr(stream, quiet):
-    """Copies a worker's stderr to ours, line by line (tf_rdma's lines)."""
     for line in stream:
-        if not (quiet and _TF_STARTUP_NOTICE.search(line)):
+        if not hides_tensorflow_notice(line, env):
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -242,7 +236,6 @@ def _run_workers(args, strategy, num_workers, passthrough):
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_RDMA_SECRET", os.urandom(16).hex())
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    quiet = env["TF_CPP_MIN_LOG_LEVEL"].strip() not in ("", "0")
     procs, forwarders, outputs = [], [], [""] * num_workers
     for i in range(num_workers):
         e = dict(env, TF_CONFIG=json.dumps(
@@ -254,7 +247,7 @@ def _run_workers(args, strategy, num_workers, passthrough):
             start_new_session=True))
         # stderr is forwarded as it comes, stdout (the result) collected.
         forwarders.append(threading.Thread(
-            target=_forward_stderr, args=(procs[-1].stderr, quiet),
+            target=_forward_stderr, args=(procs[-1].stderr, env),
             daemon=True))
         forwarders.append(threading.Thread(
             target=_collect, args=(procs[-1].stdout, outputs, i),

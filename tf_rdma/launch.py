@@ -52,7 +52,8 @@ from tf_rdma import _native, cluster as _cluster
 from tf_rdma.errors import ConfigError, LibraryError
 from tf_rdma.subcommand import Command
 
-__all__ = ["main", "add_arguments", "run", "COMMAND", "READY_PREFIX"]
+__all__ = ["main", "add_arguments", "run", "hides_tensorflow_notice", "COMMAND",
+           "READY_PREFIX"]
 
 #: The line (prefix) a server prints on stdout once it is serving.
 READY_PREFIX = "tf_rdma server ready:"
@@ -315,6 +316,14 @@ def _quiet_tensorflow(env):
     return env.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() not in ("", "0")
 
 
+def hides_tensorflow_notice(line, env):
+    """True if `line` of a TensorFlow process's stderr is one of the start-up
+    notices it prints before reading its log level, and `env` (that
+    process's environment) asks for no INFO: a program forwarding the
+    stderr of TensorFlow processes it started drops such lines."""
+    return _quiet_tensorflow(env) and bool(_TF_STARTUP_NOTICE.search(line))
+
+
 class _Output:
     """Serializes the launcher's and the servers' lines on stderr."""
 
@@ -383,7 +392,7 @@ class _Server:
                         self.bad_ready_line = line
                     self.ready.set()
                 elif not is_stdout:
-                    if _quiet_tensorflow(self.env) and _TF_STARTUP_NOTICE.search(line):
+                    if hides_tensorflow_notice(line, self.env):
                         continue
                     self.tail.append(line)
                 to_stdout = is_stdout and self.stdout_to_stdout
