@@ -344,9 +344,14 @@ def worker_tf_rdma(args):
 
     one = tf.zeros([1], tf.float32)
 
+    # The barrier lets every rank go at once, as MPI_Barrier does: a oneshot
+    # allreduce, where each rank writes to every other and leaves when all
+    # have written (on the op's thread, the inline path). A tree barrier
+    # lets the root go one hop and an engine thread's wake-up before the
+    # others, a skew (5 to 10 us at P = 2) the timed call would be charged.
     @tf.function
     def barrier(t):
-        return C.all_reduce(t, name="bench_sync", algorithm="tree",
+        return C.all_reduce(t, name="bench_sync", algorithm="oneshot",
                             block_bytes=64)
 
     def sync():

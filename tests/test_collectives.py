@@ -226,6 +226,80 @@ def test_every_algorithm_over_tcp_and_verbs(transport):
         assert res.result["bad"] == {"3": []}, (task, res.result["bad"])
 
 
+INLINE = r"""
+import time
+start()
+import tf_rdma, tf_rdma.counters
+from tf_rdma import collectives as C
+g = C.default_group()
+P, r = g.size, g.rank
+LATE = 1  # the rank that arrives late on the odd calls
+x = np.arange(1000, dtype=np.int64) * (r + 1) - 7 * r
+xs = [np.arange(1000, dtype=np.int64) * (q + 1) - 7 * q for q in range(P)]
+def call(kind, i):
+    name = f"inline/{kind}"
+    if kind == "allreduce":
+        return C.all_reduce(tf.constant(x), algorithm="oneshot", name=name), sum(xs)
+    if kind == "reduce":
+        root = i % P
+        want = np.max(xs, axis=0) if r == root else x
+        return C.reduce(tf.constant(x), root=root, reduction="max",
+                        algorithm="oneshot", name=f"{name}/{root}"), want
+    if kind == "broadcast":
+        root = i % P
+        return C.broadcast(tf.constant(x), root=root, algorithm="oneshot",
+                           name=f"{name}/{root}"), xs[root]
+    return (C.all_gather(tf.constant(x.reshape(-1, 2)), algorithm="oneshot",
+                         name=name), np.concatenate(xs).reshape(-1, 2))
+bad, late_calls = [], {}
+for kind in ("allreduce", "reduce", "broadcast", "allgather"):
+    for i in range(2 * P):  # a first call of each: connecting
+        y, want = call(kind, i)
+        if not np.array_equal(y.numpy(), want):
+            bad.append([kind, i, "first"])
+    before = tf_rdma.stats()
+    for i in range(8):
+        late = i % 2 == 1
+        if late and r == LATE:
+            time.sleep(0.2)
+        y, want = call(kind, i)
+        if not np.array_equal(y.numpy(), want):
+            bad.append([kind, i, late])
+    d = tf_rdma.counters.difference(tf_rdma.stats(), before)
+    late_calls[kind] = [d["collectives_inline"], d["collectives_handed_off"]]
+# The same bits whether the call is one block (the inline path) or many
+# (OneShot() on an engine thread): the same operands in the same order.
+f = np.random.default_rng([r, 5]).standard_normal(4099).astype(np.float32)
+one = C.all_reduce(tf.constant(f), algorithm="oneshot", name="bits/one")
+many = C.all_reduce(tf.constant(f), algorithm="oneshot", block_bytes=256,
+                    name="bits/many")
+same_bits = bool(np.array_equal(one.numpy().view(np.int32),
+                                many.numpy().view(np.int32)))
+result({"bad": bad, "late_calls": late_calls, "same_bits": same_bits})
+"""
+
+
+def test_oneshot_completes_inline_unless_it_must_wait():
+    """A small oneshot collective completes on the op's thread when its
+    peers' blocks are there, and hands off to an engine thread when one is
+    late; both give numpy's result, and the same bits as many blocks."""
+    P = 3
+    out = run_tasks({f"/job:worker/task:{i}": INLINE for i in range(P)},
+                    cluster=make_cluster(P), timeout=240)
+    for i in range(P):
+        res = out[f"/job:worker/task:{i}"].result
+        assert res["bad"] == [] and res["same_bits"], (i, res)
+        for kind, (inline, handed_off) in res["late_calls"].items():
+            assert inline + handed_off == 8, (i, kind, res["late_calls"])
+            if kind in ("allreduce", "allgather"):
+                # The late rank finds every block there on its 4 late
+                # calls; the others wait 0.2 s for it, on an engine thread.
+                if i == 1:
+                    assert inline >= 4, (i, kind, res["late_calls"])
+                else:
+                    assert handed_off >= 4, (i, kind, res["late_calls"])
+
+
 def test_buckets_in_tf_function_subgroups_auto_and_calibrate():
     program = r"""
 start()

@@ -199,7 +199,7 @@ def test_dynamic_tensors_count_their_bytes_and_regrowths(run):
     assert receiver["dynamic_regrowths"] == 0, receiver
 
 
-def _snapshot(t, total, peers=None, busy=(0.0, 0.0)):
+def _snapshot(t, total, peers=None, busy=(0.0, 0.0), collectives=(0, 0)):
     peers = peers if peers is not None else {"/job:w/task:1": {"shm": total}}
     transports = {}
     for by_transport in peers.values():
@@ -207,7 +207,9 @@ def _snapshot(t, total, peers=None, busy=(0.0, 0.0)):
             transports[name] = c
     return {"task": "/job:w/task:0", "peers": peers, "transports": transports,
             "total": total, "credit_wait_busy_seconds": busy[0],
-            "data_wait_busy_seconds": busy[1], "time": t}
+            "data_wait_busy_seconds": busy[1],
+            "collectives_inline": collectives[0],
+            "collectives_handed_off": collectives[1], "time": t}
 
 
 def _counters(**values):
@@ -219,9 +221,11 @@ def _counters(**values):
 @pytest.mark.fast
 def test_difference_subtracts_every_counter():
     before = _snapshot(10.0, _counters(bytes_sent=100, writes=1,
-                                       data_wait_seconds=0.25), busy=(0.0, 0.25))
+                                       data_wait_seconds=0.25), busy=(0.0, 0.25),
+                       collectives=(4, 1))
     after = _snapshot(12.5, _counters(bytes_sent=350, writes=3, data_waits=2,
-                                      data_wait_seconds=1.0), busy=(0.5, 0.75))
+                                      data_wait_seconds=1.0), busy=(0.5, 0.75),
+                      collectives=(9, 3))
     d = counters.difference(after, before)
     assert d["elapsed_seconds"] == 2.5 and "time" not in d
     assert d["total"] == _counters(bytes_sent=250, writes=2, data_waits=2,
@@ -229,6 +233,7 @@ def test_difference_subtracts_every_counter():
     assert d["peers"]["/job:w/task:1"]["shm"] == d["total"]
     assert d["transports"] == {"shm": d["total"]}
     assert (d["credit_wait_busy_seconds"], d["data_wait_busy_seconds"]) == (0.5, 0.5)
+    assert (d["collectives_inline"], d["collectives_handed_off"]) == (5, 2)
 
 
 @pytest.mark.fast

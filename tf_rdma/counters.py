@@ -29,7 +29,8 @@ _NANOSECOND_COUNTERS = {"credit_wait_ns": "credit_wait_seconds",
                         "data_wait_ns": "data_wait_seconds"}
 
 #: Keys of a snapshot that are process-wide numbers, not per peer.
-PROCESS_KEYS = ("credit_wait_busy_seconds", "data_wait_busy_seconds")
+PROCESS_KEYS = ("credit_wait_busy_seconds", "data_wait_busy_seconds",
+                "collectives_inline", "collectives_handed_off")
 
 
 def _zero():
@@ -78,6 +79,9 @@ def stats():
         - ``credit_wait_busy_seconds``, ``data_wait_busy_seconds`` (float):
           wall time during which at least one op of this process waited for
           a credit / for data.
+        - ``collectives_inline``, ``collectives_handed_off`` (int): collective
+          calls that completed on the op's own thread (a small oneshot
+          collective whose peers were there) / on an engine thread.
         - ``time`` (float): ``time.monotonic()`` when the counters were read.
 
         ``counters`` is a dict with the keys of :data:`COUNTERS`:
@@ -103,6 +107,8 @@ def stats():
             "total": total,
             "credit_wait_busy_seconds": int(raw["credit_wait_busy_ns"]) / 1e9,
             "data_wait_busy_seconds": int(raw["data_wait_busy_ns"]) / 1e9,
+            "collectives_inline": int(raw["collectives_inline"]),
+            "collectives_handed_off": int(raw["collectives_handed_off"]),
             "time": now}
 
 

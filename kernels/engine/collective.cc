@@ -1,6 +1,8 @@
 #include "kernels/engine/collective.h"
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -109,9 +111,13 @@ std::string CollectiveSpec::Describe() const {
 namespace {
 
 // Per instance, per process: calls of one instance run one at a time (their
-// blocks share channels), and the first failure sticks.
+// blocks share channels), and the first failure sticks. A call holds the
+// instance from its admission to its end, which may come on another thread
+// than its start (the inline path), so a flag rather than a held mutex.
 struct InstanceState {
-  std::mutex mu;
+  std::mutex mu;  // guards everything below
+  std::condition_variable idle;  // notified when `busy` clears
+  bool busy = false;
   std::string hash;
   std::string describe;
   std::string poisoned;
@@ -157,6 +163,12 @@ class Runner {
                      : 0) {}
 
   Status Run();
+  // Runs the call as far as it goes: with `may_wait` to its end (*status
+  // set, true); without, waiting for nothing, false where it would have
+  // to wait (call again with `may_wait` on a thread that may). Only a
+  // oneshot collective of one block advances without waiting (the inline
+  // path, see StartCollective); any other call does nothing until it may.
+  bool Advance(bool may_wait, Status* status);
 
  private:
   int Mod(int x) const { return ((x % size_) + size_) % size_; }
@@ -220,6 +232,27 @@ class Runner {
   Status OneShot();
   Status OneShotReduce(uint64_t at, uint64_t n,
                        std::vector<uint8_t>* scratch);
+
+  // The inline path: a oneshot call of one block as three resumable
+  // stages, the sends in OneShot()'s order, the receives (claimed and
+  // polled together), then the reduction or copies (OneShot()'s, in the
+  // same order: the same bits).
+  bool Inlinable() const;
+  void PlanOneBlock();
+  const uint8_t* OneBlockSource() const;
+  bool SendOneBlock(bool may_wait, Status* status);
+  bool RecvOneBlock(bool may_wait, Status* status);
+  void CombineOneBlock();
+  bool planned_ = false;
+  uint64_t piece_ = 0;          // the block's bytes
+  std::vector<int> send_to_;    // in the order of the sends
+  std::vector<int> recv_from_;  // in rank order
+  size_t sent_ = 0;             // sends done
+  bool send_claimed_ = false;   // send_ is claimed, not yet written
+  SendTicket send_;
+  std::vector<RecvTicket> recvs_;  // by recv_from_'s index, once claimed
+  std::vector<char> arrived_;
+  bool polled_ = false;  // the receives were polled for a spin's budget
 
   // Recursive halving over the active (power-of-two) ranks: see Rhd().
   int active_ = 1;  // P', the largest power of two <= P
@@ -854,6 +887,211 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
   return Status::Ok();
 }
 
+// The inline path (StartCollective): a oneshot collective of one block on
+// the op's own thread.
+//
+// What: the thread that runs the op writes the block to every peer whose
+// credit is there, polls for the peers' blocks for up to the collective's
+// spin (at least EngineConfig::poll_us), and if all are there reduces or
+// copies them and completes the op, all on TensorFlow's thread. Where it
+// would have to wait longer (a peer late, a credit not back, a first call
+// that must connect), the call, with the tickets it holds, moves to an
+// engine thread, which goes on from the same point with the bounded,
+// stall-watched waits of every other collective.
+// Why: handing every call to an engine thread costs that thread's
+// wake-up and then TensorFlow's (the op's done), about 45 µs a call on a
+// VM (docs/benchmarks.md, "Small messages"): more than a small
+// collective's whole exchange. The hand-off stays for the waits: a
+// collective that waits must not hold TensorFlow's inter-op thread.
+// Cost: the op's thread polls for at most the spin's budget; the result
+// is the same bits as OneShot()'s (same order of operands).
+bool Runner::Inlinable() const {
+  if (spec_.algorithm != Algorithm::kOneShot) return false;
+  uint64_t piece = spec_.kind == CollectiveKind::kAllGather
+                       ? spec_.count * spec_.element_bytes
+                       : All().length;
+  return piece <= block_;
+}
+
+void Runner::PlanOneBlock() {
+  planned_ = true;
+  const bool gather = spec_.kind == CollectiveKind::kAllGather;
+  piece_ = gather ? spec_.count * spec_.element_bytes : All().length;
+  const int root = spec_.root;
+  bool to_all = false, from_all = false;
+  switch (spec_.kind) {
+    case CollectiveKind::kAllReduce:
+    case CollectiveKind::kAllGather:
+      to_all = from_all = true;
+      break;
+    case CollectiveKind::kBroadcast:
+      to_all = rank_ == root;
+      if (rank_ != root) recv_from_.push_back(root);
+      break;
+    case CollectiveKind::kReduce:
+      from_all = rank_ == root;
+      if (rank_ != root) send_to_.push_back(root);
+      break;
+  }
+  for (int i = 1; to_all && i < size_; ++i) send_to_.push_back(Mod(rank_ + i));
+  for (int q = 0; from_all && q < size_; ++q) {
+    if (q != rank_) recv_from_.push_back(q);
+  }
+}
+
+const uint8_t* Runner::OneBlockSource() const {
+  switch (spec_.kind) {
+    case CollectiveKind::kAllReduce:
+    case CollectiveKind::kReduce:
+      return src_;
+    case CollectiveKind::kAllGather:
+      return buf_ + rank_ * piece_;
+    case CollectiveKind::kBroadcast:
+      break;
+  }
+  return buf_;
+}
+
+bool Runner::SendOneBlock(bool may_wait, Status* status) {
+  while (sent_ < send_to_.size()) {
+    const int to = send_to_[sent_];
+    Status s;
+    if (!send_claimed_) {
+      s = engine_->ClaimSend(Channel(rank_, to), &send_);
+      if (!s.ok()) {
+        *status = Fail(s, "sending to", to);
+        return true;
+      }
+      send_.nbytes = piece_;
+      send_claimed_ = true;
+    }
+    if (may_wait) {
+      s = engine_->FinishSend(send_, OneBlockSource());
+    } else if (!engine_->TrySendNow(&send_, OneBlockSource(), &s)) {
+      return false;
+    }
+    send_claimed_ = false;
+    if (!s.ok()) {
+      *status = Fail(s, "sending to", to);
+      return true;
+    }
+    ++sent_;
+  }
+  return true;
+}
+
+bool Runner::RecvOneBlock(bool may_wait, Status* status) {
+  if (recvs_.size() != recv_from_.size()) {
+    recvs_.resize(recv_from_.size());
+    arrived_.assign(recv_from_.size(), 0);
+    for (size_t i = 0; i < recv_from_.size(); ++i) {
+      Status s = engine_->ClaimRecv(Channel(recv_from_[i], rank_), &recvs_[i]);
+      if (!s.ok()) {
+        *status = Fail(s, "receiving from", recv_from_[i]);
+        return true;
+      }
+      recvs_[i].nbytes = piece_;
+      recvs_[i].spin_us = spin_us_;
+    }
+  }
+  size_t left = 0;
+  for (char a : arrived_) left += a ? 0 : 1;
+  if (!may_wait) {
+    const Clock::time_point until =
+        Clock::now() + std::chrono::microseconds(std::max(
+                           spin_us_, engine_->config().poll_us));
+    while (left > 0) {
+      for (size_t i = 0; i < recvs_.size(); ++i) {
+        if (!arrived_[i] && engine_->TakeRecvNow(&recvs_[i])) {
+          arrived_[i] = 1;
+          --left;
+        }
+      }
+      if (left == 0) break;
+      if (Clock::now() >= until) {
+        polled_ = true;
+        return false;
+      }
+      for (int k = 0; k < 32; ++k) CpuRelax();
+    }
+    return true;
+  }
+  for (size_t i = 0; i < recvs_.size(); ++i) {
+    if (arrived_[i]) continue;
+    if (polled_) recvs_[i].spin_us = 0;  // it has spun inline already
+    Status s = engine_->FinishRecv(&recvs_[i]);
+    if (!s.ok()) {
+      for (size_t j = 0; j < recvs_.size(); ++j) {
+        if (arrived_[j]) engine_->Release(recvs_[j]);
+      }
+      *status = Fail(s, "receiving from", recv_from_[i]);
+      return true;
+    }
+    arrived_[i] = 1;
+  }
+  return true;
+}
+
+// With every block there: the reduction in rank order (OneShotReduce's
+// operands in its order), the broadcast's copy or the allgather's copies;
+// then the blocks go back to their writers.
+void Runner::CombineOneBlock() {
+  auto held = [this](int q) -> const RecvTicket& {
+    size_t i = std::find(recv_from_.begin(), recv_from_.end(), q) -
+               recv_from_.begin();
+    return recvs_[i];
+  };
+  const bool reduces = spec_.kind == CollectiveKind::kAllReduce ||
+                       spec_.kind == CollectiveKind::kReduce;
+  if (reduces && !recv_from_.empty()) {
+    const uint64_t elements = piece_ / spec_.element_bytes;
+    std::vector<uint8_t> scratch;
+    const uint8_t* mine = src_;
+    if (src_ == buf_ && rank_ >= 2) {
+      scratch.assign(src_, src_ + piece_);
+      mine = scratch.data();
+    }
+    auto operand = [&](int q) {
+      return q == rank_ ? mine : held(q).payload;
+    };
+    // Traced as the reduction of the last operand received.
+    const RecvTicket& last = recvs_.back();
+    trace::Span apply(last.traced_since);
+    reduce_(buf_, operand(0), operand(1), elements);
+    for (int q = 2; q < size_; ++q) reduce_(buf_, buf_, operand(q), elements);
+    const SlotSpec& channel = Channel(recv_from_.back(), rank_);
+    apply.End(trace::kReduce, channel.tensor_name, piece_, channel.peer,
+              last.step);
+  } else if (!reduces) {
+    const bool gather = spec_.kind == CollectiveKind::kAllGather;
+    for (size_t i = 0; i < recvs_.size(); ++i) {
+      trace::Span copy(recvs_[i].traced_since);
+      std::memcpy(buf_ + (gather ? recv_from_[i] * piece_ : 0),
+                  recvs_[i].payload, piece_);
+      const SlotSpec& channel = Channel(recv_from_[i], rank_);
+      copy.End(trace::kCopy, channel.tensor_name, piece_, channel.peer,
+               recvs_[i].step);
+    }
+  }
+  for (const RecvTicket& t : recvs_) engine_->Release(t);
+}
+
+bool Runner::Advance(bool may_wait, Status* status) {
+  *status = Status::Ok();
+  if (size_ == 1 || All().length == 0) return true;
+  if (!Inlinable()) {
+    if (!may_wait) return false;
+    *status = Run();
+    return true;
+  }
+  if (!planned_) PlanOneBlock();
+  if (!SendOneBlock(may_wait, status)) return false;
+  if (!status->ok()) return true;
+  if (!RecvOneBlock(may_wait, status)) return false;
+  if (status->ok()) CombineOneBlock();
+  return true;
+}
+
 Status Runner::Run() {
   if (size_ == 1 || All().length == 0) return Status::Ok();
   switch (spec_.algorithm) {
@@ -866,10 +1104,23 @@ Status Runner::Run() {
   return InvalidArgument("unknown algorithm");
 }
 
-}  // namespace
+// One call of a collective, from its admission to its end.
+struct Call {
+  CollectiveSpec spec;
+  std::string hash;
+  InstanceState* state = nullptr;
+  uint64_t number = 0;  // of the instance's calls: the step traces name
+  int64_t traced_since = 0;
+  std::string describe;  // as the stall lines name it, "allreduce 'grads'"
+};
 
-Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
-                     uint8_t* buf, const ReduceFn& reduce) {
+// Admits a call: checks the endpoint, the spec and the instance (poisoned,
+// another layout), then takes the instance, waiting while another call of
+// it runs unless `may_wait` is false: then *taken stays false and the
+// caller must call again from a thread that may wait.
+Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
+             bool* taken) {
+  *taken = false;
   Engine* engine = Engine::Get();
   if (!engine->started()) {
     return FailedPrecondition(
@@ -879,13 +1130,15 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
   TF_RDMA_RETURN_IF_ERROR(spec.Validate(engine->config().task));
   engine->LogCollectiveSpin();
   InstanceState* state = GetInstance(spec.instance);
-  std::lock_guard<std::mutex> lock(state->mu);
+  std::string hash = spec.Hash();
+  std::unique_lock<std::mutex> lock(state->mu);
+  if (state->busy && !may_wait) return Status::Ok();
+  state->idle.wait(lock, [state] { return !state->busy; });
   if (!state->poisoned.empty()) {
     return FailedPrecondition(spec.Describe() +
                               " cannot run any more: an earlier call failed (" +
                               state->poisoned + ")");
   }
-  std::string hash = spec.Hash();
   if (state->hash.empty()) {
     state->hash = hash;
     state->describe = spec.Describe();
@@ -897,17 +1150,28 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
         "; give collectives of different shapes, dtypes or algorithms "
         "different names");
   }
-  uint64_t call = ++state->calls;
-  int64_t traced_since = trace::Claim();
-  // Its blocks' waits name this call (the stall inspector, stall.cc).
-  engine->CollectiveBegin(spec.instance,
-                          std::string(KindName(spec.kind)) + " '" +
-                              spec.instance + "'",
-                          call);
-  Status s = Runner(spec, hash, src, buf, reduce).Run();
+  state->busy = true;
+  *taken = true;
+  call->spec = spec;
+  call->hash = std::move(hash);
+  call->state = state;
+  call->number = ++state->calls;
+  call->traced_since = trace::Claim();
+  call->describe =
+      std::string(KindName(spec.kind)) + " '" + spec.instance + "'";
+  engine->CollectiveBegin(spec.instance, call->number);
+  return Status::Ok();
+}
+
+// Ends an admitted call with its outcome: the peers' view of this task's
+// position, the poison of a failure, the trace event and the counters;
+// then the instance is free for its next call.
+void Finish(const Call& call, const Status& s, bool inline_path) {
+  Engine* engine = Engine::Get();
+  const CollectiveSpec& spec = call.spec;
   engine->CollectiveEnd(spec.instance, s.ok());
-  if (!s.ok()) state->poisoned = s.message();
-  if (traced_since != 0) {
+  engine->CountCollective(inline_path);
+  if (call.traced_since != 0) {
     std::string group;
     for (const std::string& task : spec.group) {
       group += (group.empty() ? "" : " ") + task;
@@ -919,14 +1183,87 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
     e.key = &spec.instance;
     e.bytes = bytes;
     e.peer = &group;
-    e.step = call;
+    e.step = call.number;
     e.kind = KindName(spec.kind);
     e.algorithm = AlgorithmName(spec.algorithm);
-    e.start_ns = traced_since;
-    e.end_ns = std::max(traced_since, trace::NowNs());
+    e.start_ns = call.traced_since;
+    e.end_ns = std::max(call.traced_since, trace::NowNs());
     trace::Record(e);
   }
+  {
+    std::lock_guard<std::mutex> lock(call.state->mu);
+    if (!s.ok()) call.state->poisoned = s.message();
+    call.state->busy = false;
+  }
+  call.state->idle.notify_all();
+}
+
+// Advances an admitted call to its end on this thread, its waits named
+// after it for the stall inspector.
+Status AdvanceToEnd(const Call& call, Runner* runner) {
+  Engine* engine = Engine::Get();
+  engine->CollectiveWaitsBegin(call.spec.instance, call.describe, call.number);
+  Status s;
+  runner->Advance(/*may_wait=*/true, &s);
+  engine->CollectiveWaitsEnd();
   return s;
+}
+
+}  // namespace
+
+Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
+                     uint8_t* buf, const ReduceFn& reduce) {
+  Call call;
+  bool taken = false;
+  TF_RDMA_RETURN_IF_ERROR(Admit(spec, /*may_wait=*/true, &call, &taken));
+  Runner runner(call.spec, call.hash, src, buf, reduce);
+  Status s = AdvanceToEnd(call, &runner);
+  Finish(call, s, /*inline_path=*/false);
+  return s;
+}
+
+void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
+                     uint8_t* buf, const ReduceFn& reduce,
+                     CollectiveDone done) {
+  // What the call needs, kept alive until `done` (shared: the engine
+  // thread's work item must be copyable).
+  struct Started {
+    Call call;
+    ReduceFn reduce;
+    CollectiveDone done;
+    std::unique_ptr<Runner> runner;
+  };
+  auto started = std::make_shared<Started>();
+  started->reduce = reduce;
+  started->done = std::move(done);
+  Engine* engine = Engine::Get();
+  bool taken = false;
+  Status s = Admit(spec, /*may_wait=*/false, &started->call, &taken);
+  if (!s.ok()) {
+    started->done(s);
+    return;
+  }
+  if (!taken) {
+    // Another call of the instance runs: this one waits for it on an
+    // engine thread.
+    CollectiveSpec copy = spec;
+    engine->Schedule([started, copy, src, buf] {
+      started->done(RunCollective(copy, src, buf, started->reduce));
+    });
+    return;
+  }
+  started->runner.reset(new Runner(started->call.spec, started->call.hash,
+                                   src, buf, started->reduce));
+  if (started->runner->Advance(/*may_wait=*/false, &s)) {
+    Finish(started->call, s, /*inline_path=*/true);
+    started->done(s);
+    return;
+  }
+  engine->Schedule([started] {
+    Status out = AdvanceToEnd(started->call, started->runner.get());
+    Finish(started->call, out, /*inline_path=*/false);
+    started->done(out);
+  });
 }
 
 }  // namespace tf_rdma

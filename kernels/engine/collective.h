@@ -14,7 +14,9 @@
 // order and the sizes of the blocks, which follow from the schedule.
 //
 // A collective runs in place on one buffer of the caller's (the op's output),
-// on an engine thread, sequentially; waits are bounded by the timeout, and a
+// sequentially, on an engine thread (a small oneshot call whose peers are
+// there completes on the op's own thread: StartCollective, the inline path
+// in collective.cc); waits are bounded by the timeout, and a
 // failure names the collective, its instance, the algorithm, the rank and the
 // peer. After a failure the instance is poisoned: its channels' step counters
 // can no longer be trusted, so later calls fail at once with the first error.
@@ -106,6 +108,16 @@ using ReduceFn = std::function<void(void* dst, const void* a, const void* b,
 // Blocks the calling thread; every wait is bounded.
 Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
                      uint8_t* buf, const ReduceFn& reduce);
+
+// The same without holding the calling thread in a wait: `done` is called
+// once with the outcome, on this thread if the call completes without
+// waiting (a oneshot collective of one block whose peers are there: the
+// inline path, collective.cc), else on an engine thread. `src` and `buf`
+// must stay valid until then.
+using CollectiveDone = std::function<void(const Status&)>;
+void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
+                     uint8_t* buf, const ReduceFn& reduce,
+                     CollectiveDone done);
 
 }  // namespace tf_rdma
 

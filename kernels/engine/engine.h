@@ -270,6 +270,10 @@ class Engine {
   Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
                    uint64_t call = 0);
   bool TryRecvNow(RecvTicket* ticket);
+  // TryRecvNow for a caller that polls several recvs in its own loop (the
+  // collectives' inline path): counted and traced like PollRecv's recv
+  // when the data is there, else counted as a data wait that began.
+  bool TakeRecvNow(RecvTicket* ticket);
   // TryRecvNow, polled for up to config().poll_us microseconds on the
   // caller's thread. Handing a wait to an engine thread and waking it when
   // the data lands costs tens of microseconds per transfer (measured: a
@@ -328,14 +332,21 @@ class Engine {
   // Runs `fn` on an engine thread that may block (in bounded waits).
   void Schedule(std::function<void()> fn);
 
-  // A collective's call on this thread (RunCollective), from Begin to End:
-  // the waits of its blocks name it (stall.cc), and a peer that asks for
-  // this task's position in it (what=position) learns the calls of
-  // `instance` completed and whether one runs now. `describe` is the
-  // collective as the stall lines name it, "allreduce 'grads'".
-  void CollectiveBegin(const std::string& instance,
-                       const std::string& describe, uint64_t call);
+  // A collective's call (RunCollective, StartCollective), from Begin to
+  // End: a peer that asks for this task's position in it (what=position)
+  // learns the calls of `instance` completed and whether one runs now.
+  void CollectiveBegin(const std::string& instance, uint64_t call);
   void CollectiveEnd(const std::string& instance, bool ok);
+  // From here to the matching CollectiveWaitsEnd, the waits on this thread
+  // are the call's (a call that starts inline and is handed off waits on
+  // two threads in turn): their stall lines name it. `describe` is the
+  // collective as the stall lines name it, "allreduce 'grads'".
+  void CollectiveWaitsBegin(const std::string& instance,
+                            const std::string& describe, uint64_t call);
+  void CollectiveWaitsEnd();
+  // Counts a collective call by the thread it completed on: the op's own
+  // (the inline path) or an engine thread's (tf_rdma.stats()).
+  void CountCollective(bool inline_path);
   // Thread CPU nanoseconds of `n` registrations of a wait with the stall
   // inspector and their ends (what a wait that sleeps pays): the cost
   // measured by tests/test_stall.py (tfrdma_stall_bench).

@@ -67,13 +67,18 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
   return true;
 }
 
-bool Engine::PollRecv(RecvTicket* ticket) {
+bool Engine::TakeRecvNow(RecvTicket* ticket) {
   if (TryRecvNow(ticket)) {
     CountRecv(ticket, true);
     TraceDataWait(*ticket);
     return true;
   }
   TransferStats::StartWait(&ticket->waiting_since, &stats_.data_busy);
+  return false;
+}
+
+bool Engine::PollRecv(RecvTicket* ticket) {
+  if (TakeRecvNow(ticket)) return true;
   // A slot whose data never lands within the poll (a recv that starts long
   // before its sender, as in a chain of hops started by one call) would
   // only hold TensorFlow's thread: after two misses in a row, poll only

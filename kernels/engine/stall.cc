@@ -102,15 +102,28 @@ std::string StepWord(const SlotSpec& spec, uint64_t step) {
 
 }  // namespace
 
-void Engine::CollectiveBegin(const std::string& instance,
-                             const std::string& describe, uint64_t call) {
-  t_collectives.push_back(CollectiveCall{instance, describe, call});
+void Engine::CollectiveBegin(const std::string& instance, uint64_t call) {
   std::lock_guard<std::mutex> lock(stall_mu_);
   collectives_[instance].running = call;
 }
 
-void Engine::CollectiveEnd(const std::string& instance, bool ok) {
+void Engine::CollectiveWaitsBegin(const std::string& instance,
+                                  const std::string& describe,
+                                  uint64_t call) {
+  t_collectives.push_back(CollectiveCall{instance, describe, call});
+}
+
+void Engine::CollectiveWaitsEnd() {
   if (!t_collectives.empty()) t_collectives.pop_back();
+}
+
+void Engine::CountCollective(bool inline_path) {
+  PeerCounters::Add(inline_path ? &stats_.collectives_inline
+                                : &stats_.collectives_handed_off,
+                    1);
+}
+
+void Engine::CollectiveEnd(const std::string& instance, bool ok) {
   std::lock_guard<std::mutex> lock(stall_mu_);
   CollectivePosition& c = collectives_[instance];
   c.completed = std::max(c.completed, c.running);

@@ -97,7 +97,12 @@ std::string TransferStats::Json() const {
          std::to_string(credit_busy.BusyNs(now)) +
          ", \"data_wait_busy_ns\": " + std::to_string(data_busy.BusyNs(now)) +
          ", \"credit_waiting\": " + std::to_string(credit_busy.waiting()) +
-         ", \"data_waiting\": " + std::to_string(data_busy.waiting());
+         ", \"data_waiting\": " + std::to_string(data_busy.waiting()) +
+         ", \"collectives_inline\": " +
+         std::to_string(collectives_inline.load(std::memory_order_relaxed)) +
+         ", \"collectives_handed_off\": " +
+         std::to_string(
+             collectives_handed_off.load(std::memory_order_relaxed));
   return out + "}";
 }
 

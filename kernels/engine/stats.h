@@ -94,6 +94,10 @@ class TransferStats {
 
   BusyClock credit_busy;
   BusyClock data_busy;
+  // Collective calls by the thread they completed on (collective.cc, the
+  // inline path): the op's own, or an engine thread's after a hand-off.
+  std::atomic<uint64_t> collectives_inline{0};
+  std::atomic<uint64_t> collectives_handed_off{0};
 
  private:
   mutable std::mutex mu_;

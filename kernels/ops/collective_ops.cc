@@ -5,9 +5,11 @@
 // them out at fixed 64-byte-aligned offsets in one buffer, runs the
 // collective on that buffer in place and returns the tensors as slices of
 // it (no copy out). A single tensor whose buffer TensorFlow can hand over is
-// reduced in place (no copy in either). The op is asynchronous: the
-// collective runs on an engine thread, so TensorFlow's threads never block
-// on a peer, and each bucket's op starts as soon as its inputs exist.
+// reduced in place (no copy in either). The op is asynchronous: a
+// collective that must wait for a peer waits on an engine thread, so
+// TensorFlow's threads never block on a peer, and each bucket's op starts
+// as soon as its inputs exist; a small oneshot collective whose peers are
+// there completes on the op's thread (StartCollective).
 #include <complex>
 #include <cstdlib>
 #include <cstring>
@@ -386,17 +388,18 @@ class CollectiveOp : public AsyncOpKernel {
     bool divide = spec_.reduction == "mean" &&
                   (spec_.kind == CollectiveKind::kAllReduce ||
                    (spec_.kind == CollectiveKind::kReduce && is_root));
-    Engine::Get()->Schedule([this, ctx, done, spec, buffer, source, divide]() {
-      uint8_t* data =
-          static_cast<uint8_t*>(const_cast<void*>(buffer.data()));
-      Status s = RunCollective(
-          spec, static_cast<const uint8_t*>(source.data()), data, reduce_);
-      if (s.ok() && divide) {
-        divide_(data, spec.count, static_cast<int>(spec.group.size()));
-      }
-      ctx->SetStatus(ToTf(s));
-      done();
-    });
+    uint8_t* data = static_cast<uint8_t*>(const_cast<void*>(buffer.data()));
+    const int size = static_cast<int>(spec.group.size());
+    // On this thread if the call needs no wait, else on an engine thread
+    // (StartCollective); the tensors stay referenced until then.
+    StartCollective(
+        spec, static_cast<const uint8_t*>(source.data()), data, reduce_,
+        [this, ctx, done, buffer, source, divide, data, count = spec.count,
+         size](const Status& s) {
+          if (s.ok() && divide) divide_(data, count, size);
+          ctx->SetStatus(ToTf(s));
+          done();
+        });
   }
 
  private:

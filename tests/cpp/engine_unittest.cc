@@ -2422,7 +2422,9 @@ TEST(stats_table_waits_and_json) {
                         "\"writes\": 1, \"receives\": 0, \"credit_waits\": 0, "
                         "\"credit_wait_ns\": 0, \"data_waits\": 1, ");
   EXPECT_CONTAINS(json, "\"transport\": \"tcp\", \"bytes_sent\": 0");
-  EXPECT_CONTAINS(json, "\"credit_waiting\": 0, \"data_waiting\": 0}");
+  EXPECT_CONTAINS(json, "\"credit_waiting\": 0, \"data_waiting\": 0, "
+                        "\"collectives_inline\": 0, "
+                        "\"collectives_handed_off\": 0}");
 }
 
 // ---------------------------------------------------------------------------
