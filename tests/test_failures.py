@@ -177,6 +177,48 @@ def test_survivor_removes_its_segments(killed):
     assert shm_segments(pids=[procs["worker:1"].pid]) == []
 
 
+def test_a_killed_peer_is_logged_as_a_lost_connection(killed):
+    _, out = killed
+    assert f"lost connection {PEER0} -> {PEER1}" in out["worker:1"].stderr
+
+
+# ---------------------------------------------------------------------------
+# A peer that ends normally says goodbye: its survivor does not log a lost
+# connection, and a wait on it fails at once saying that it stopped.
+
+ENDED = HELPERS + """
+to1 = tf_rdma.Plan([tf_rdma.Transfer("e", "worker:0", "worker:1", "float32",
+                                     [64])], name="ended", depth=2)
+start()
+if task == "worker:0":
+    tf_rdma.ops.send(tf.fill([64], 1.0), to1, "e")
+    wait_file("got1")
+    result({"pid": os.getpid()})  # and exits: the endpoint stops at exit
+else:
+    first = float(tf_rdma.ops.recv(to1, "e")[0])
+    touch("got1")
+    t0 = time.monotonic()
+    error = error_of(lambda: tf_rdma.ops.recv(to1, "e", timeout=60).numpy())
+    result({"first": first, "error": error})
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_peer_that_ends_normally_says_goodbye(transport, tmp_path):
+    use_transport(transport)
+    out = run_tasks({"worker:0": ENDED, "worker:1": ENDED}, timeout=120,
+                    env={"TEST_SYNC_DIR": str(tmp_path),
+                         "TF_RDMA_TRANSPORT": transport})
+    survivor = out["worker:1"]
+    assert survivor.result["first"] == 1.0
+    error = survivor.result["error"]
+    _assert_names(error, "'e'", PEER0, f"{PEER0} stopped its endpoint")
+    assert error["type"] == "UnavailableError", error
+    assert error["elapsed_s"] < 10, error  # its timeout was 60 s
+    assert "lost connection" not in survivor.stderr, survivor.stderr
+    assert "lost connection" not in out["worker:0"].stderr
+
+
 # ---------------------------------------------------------------------------
 # A clean transfer, a stalled peer and plan hash mismatches, in one run.
 

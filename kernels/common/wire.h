@@ -49,6 +49,10 @@ enum FrameType : uint16_t {
   kError = 4,
   kQuery = 5,
   kQueryReply = 6,
+  // No body: the sender's endpoint stops on purpose (Engine::Stop, which a
+  // normal exit runs too). Its peer closes the connection without logging
+  // it as lost; waits on the sender then fail saying that it stopped.
+  kGoodbye = 7,
 };
 
 struct FrameHeader {

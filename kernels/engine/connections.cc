@@ -175,6 +175,13 @@ void Engine::HandleFrame(const std::shared_ptr<Connection>& conn) {
         }
       }
     }
+  } else if (s.ok() && h.type == kGoodbye) {
+    {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      conn->said_goodbye = true;
+    }
+    s = Unavailable(conn->peer + " stopped its endpoint (its process ended "
+                    "or stopped it)");
   } else if (s.ok()) {
     s = InvalidArgument("unknown frame type " + std::to_string(h.type));
   }
@@ -223,9 +230,11 @@ void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
 
 void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
                              const Status& why) {
+  bool said_goodbye;
   {
     std::lock_guard<std::mutex> lock(conn->mu);
     if (conn->dead) return;
+    said_goodbye = conn->said_goodbye;
     conn->dead = true;
     conn->gone.store(true, std::memory_order_release);
     // A refusal by the peer (plan mismatch) keeps its code; anything else
@@ -238,7 +247,9 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
     conn->peer_writable.clear();
     conn->cv.notify_all();
   }
-  if (!stopping_) {
+  // A peer that said goodbye ended on purpose: nothing was lost (a wait on
+  // it still fails, saying that it stopped).
+  if (!stopping_ && !said_goodbye) {
     Log("lost connection " +
         (conn->dialed ? config_.task + " -> " + conn->peer
                       : conn->peer + " -> " + config_.task) +
@@ -304,6 +315,21 @@ Status Engine::SendFrame(const std::shared_ptr<Connection>& conn,
   // Half a frame on the wire: the stream cannot carry another one.
   if (!s.ok() && sent > 0) CloseConnection(conn, s);
   return s;
+}
+
+void Engine::SayGoodbye(const std::shared_ptr<Connection>& conn) {
+  // Short: a peer that does not read (stopped, partitioned) must not hold
+  // up a stopping process; 48 bytes fit any socket buffer that has room.
+  constexpr int64_t kGoodbyeMs = 100;
+  std::unique_lock<std::mutex> lock(conn->send_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return;
+  FrameHeader h;
+  h.type = kGoodbye;
+  struct iovec iov;
+  iov.iov_base = &h;
+  iov.iov_len = sizeof(h);
+  size_t sent = 0;
+  SendAllv(conn->fd, &iov, 1, Deadline(kGoodbyeMs), &sent);
 }
 
 void Engine::SendReply(const std::shared_ptr<Connection>& conn,

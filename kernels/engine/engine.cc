@@ -240,6 +240,7 @@ void Engine::Stop() {
   if (progress_thread_.joinable()) progress_thread_.join();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& conn : connections_) {
+    if (!conn->gone.load()) SayGoodbye(conn);
     std::lock_guard<std::mutex> cl(conn->mu);
     conn->dead = true;
     conn->gone.store(true);

@@ -387,6 +387,11 @@ class Engine {
                   const Deadline& deadline);
   void CloseConnection(const std::shared_ptr<Connection>& conn,
                        const Status& why);
+  // Tells the peer that this endpoint stops on purpose (kGoodbye). Best
+  // effort and brief: skipped while another frame is being sent on the
+  // connection (the peer then sees the socket close, and logs a lost
+  // connection as before).
+  void SayGoodbye(const std::shared_ptr<Connection>& conn);
   // Sends a request frame (kOpenRequest or kQuery) with `fields` and waits
   // for its reply by the deadline.
   Status Request(const std::shared_ptr<Connection>& conn, FrameType type,

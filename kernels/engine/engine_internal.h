@@ -51,6 +51,7 @@ struct Connection {
   std::atomic<bool> gone{false};  // = dead, for lock-free checks
   Code dead_code = Code::kUnavailable;
   std::string dead_reason;
+  bool said_goodbye = false;  // the peer stopped on purpose (kGoodbye)
   uint64_t next_request = 1;
   std::set<uint64_t> outstanding;  // requests waiting for their reply
   // Requests whose asker stopped waiting (its deadline passed): a late
