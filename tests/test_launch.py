@@ -211,6 +211,12 @@ CLIENT = """
     time.sleep(300)
 """
 
+AFFINITY = """
+    import json, os
+    print("CPUS " + json.dumps([sorted(os.sched_getaffinity(0)),
+                                os.environ.get("TF_RDMA_HOST_CPUS")]), flush=True)
+"""
+
 LAUNCHES = {
     # ps + 2 workers, a given secret and port offset, a TensorFlow client;
     # stopped by SIGINT in test_sigint_stops_everything_and_removes_segments.
@@ -251,7 +257,18 @@ LAUNCHES = {
             group = collectives.default_group()
             total = collectives.all_reduce(tf.constant([group.rank + 1.0]))
             print(f"SPMD {task} {float(total[0])} {os.environ['TF_RDMA_SECRET'] != ''}", flush=True)
+            print("CPUS " + json.dumps([sorted(os.sched_getaffinity(0)),
+                                        os.environ.get("TF_RDMA_HOST_CPUS")]), flush=True)
         """)],
+        None,
+    ),
+    # Binding: none asked for, and more tasks than CPUs (never bound).
+    "unbound": (
+        ["--spmd", "--bind", "none", "-n", "2", "--", *python(AFFINITY)],
+        None,
+    ),
+    "crowded": (
+        ["--spmd", "-n", str(len(os.sched_getaffinity(0)) + 1), "--", *python(AFFINITY)],
         None,
     ),
     # --spmd: task 1 fails at once, task 0 would sleep for 300 s.
@@ -399,6 +416,56 @@ def test_spmd_runs_the_command_once_per_task(launches):
         # summed 1 + 2; their stdout stays stdout, prefixed with the task.
         launch.wait_for(rf"^\[worker:{index}\] SPMD {task} 3.0 True$", stream="stdout")
     assert launch.server_pids() == []  # no servers in SPMD mode
+
+
+def _cpus_by_task(launch):
+    """{task index: [its CPUs, its TF_RDMA_HOST_CPUS]} from the CPUS lines."""
+    found = {}
+    with launch._changed:
+        for _, line in launch.lines["stdout"]:
+            match = re.match(r"^\[worker:(\d+)\] CPUS (.*)$", line)
+            if match:
+                found[int(match[1])] = json.loads(match[2])
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding 2 tasks needs 2 CPUs")
+def test_spmd_tasks_are_bound_to_their_own_cpus(launches):
+    """Like mpirun's ranks: each task its own share of the launcher's CPUs,
+    and the engine told how many the host's tasks share (a collective's
+    auto spin); unbound with --bind none or more tasks than CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    launch = launches["spmd"]
+    assert launch.wait() == 0, launch.output()
+    bound = _cpus_by_task(launch)
+    assert sorted(bound) == [0, 1], launch.output()
+    assert bound[0][0] + bound[1][0] == cpus, bound  # disjoint, all of them
+    assert bound[0][1] == bound[1][1] == str(len(cpus)), bound
+    launch.wait_for(r"^tf-rdma launch: bound each task to its own CPUs \(--bind none: unbound\): "
+                    r"worker:0 \S+, worker:1 \S+$")
+    launch.wait_for(r"collectives of up to 1 MiB spin up to 500 us for each block before "
+                    rf"sleeping \(2 tasks of the cluster on this host, {len(cpus)} CPUs, each "
+                    r"task bound to its own\)")
+    for name in ("unbound", "crowded"):
+        launch = launches[name]
+        assert launch.wait() == 0, launch.output()
+        found = _cpus_by_task(launch)
+        assert found and all(v == [cpus, None] for v in found.values()), (name, found)
+        assert "bound each task" not in launch.output()
+    launches["crowded"].wait_for(
+        rf"^tf-rdma launch: not binding the {len(cpus) + 1} tasks to CPUs: this launcher may "
+        rf"use {len(cpus)} CPU\(s\), fewer than the tasks$")
+
+
+@pytest.mark.fast
+def test_cpu_shares_split_the_cpus_in_order():
+    from tf_rdma.launch import _cpu_list, cpu_shares
+
+    assert cpu_shares(2, [3, 0, 1, 2]) == [[0, 1], [2, 3]]
+    assert cpu_shares(3, range(8)) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert cpu_shares(1, [4, 6]) == [[4, 6]]
+    assert cpu_shares(3, [0, 1]) is None
+    assert _cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 def test_spmd_first_failure_stops_the_other_tasks(launches):

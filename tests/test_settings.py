@@ -33,6 +33,8 @@ def test_values_from_environment_and_arguments():
     assert settings.collective_spin_microseconds(
         env={"TF_RDMA_COLLECTIVE_SPIN_US": "100000"}) == 100000
     assert settings.secret(env=env) == "abc-0123456789-abc"
+    assert settings.host_cpus(env={}) == 0
+    assert settings.host_cpus(env={"TF_RDMA_HOST_CPUS": "8"}) == 8
     # An explicit argument wins over the environment.
     assert settings.timeout_seconds(7, env=env) == 7.0
     assert settings.secret("xyz-0123456789-xyz", env=env) == "xyz-0123456789-xyz"
@@ -53,6 +55,9 @@ def test_values_from_environment_and_arguments():
      "100001"),
     (settings.collective_spin_microseconds, "TF_RDMA_COLLECTIVE_SPIN_US",
      "-5"),
+    (settings.host_cpus, "TF_RDMA_HOST_CPUS", "0"),
+    (settings.host_cpus, "TF_RDMA_HOST_CPUS", "many"),
+    (settings.host_cpus, "TF_RDMA_HOST_CPUS", "65537"),
 ])
 def test_bad_values_name_variable_and_value(function, variable, value):
     with pytest.raises(ConfigError) as info:

@@ -222,6 +222,22 @@ def test_the_first_collective_logs_how_collectives_wait(setting):
             lines
 
 
+@pytest.mark.parametrize("host_cpus, spin", [("2", 500), ("1", 0)])
+def test_auto_spin_of_tasks_bound_to_their_own_cpus(host_cpus, spin):
+    """TF_RDMA_HOST_CPUS (tf-rdma launch sets it when it binds each task to
+    its own CPUs): auto compares the host's tasks with the CPUs they share,
+    not with the process's own share."""
+    out = run_tasks({"worker:0": COLLECTIVE, "worker:1": COLLECTIVE},
+                    env={"TF_RDMA_COLLECTIVE_SPIN_US": "auto",
+                         "TF_RDMA_HOST_CPUS": host_cpus})
+    why = (f"(2 tasks of the cluster on this host, {host_cpus} "
+           f"CPU{'' if host_cpus == '1' else 's'}, each task bound to its own)")
+    for res in out.values():
+        assert res.result["got"] == [[2.0] * 4] * 2
+        assert res.result["spin"] == spin
+        assert _log_lines(res.stderr, "collectives ")[0].endswith(why), res.stderr
+
+
 REFUSED = """
 from tf_rdma.errors import EndpointError
 try:

@@ -188,6 +188,7 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"timeout_ms={int(settings.timeout_seconds(timeout) * 1000)}",
              f"poll_us={settings.poll_microseconds()}",
              f"collective_spin_us={settings.collective_spin_microseconds()}",
+             f"host_cpus={settings.host_cpus()}",
              f"stall_warning_ms={_stall_warning_ms()}"]
     lines += settings.verbs_config()
     timeline = settings.timeline_dir()

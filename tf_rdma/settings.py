@@ -22,6 +22,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 DEFAULT_POLL_US = 50
 #: The engine's kMaxSpinUs: the largest TF_RDMA_COLLECTIVE_SPIN_US.
 MAX_SPIN_US = 100000
+#: The engine's kMaxHostCpus: the largest TF_RDMA_HOST_CPUS.
+MAX_HOST_CPUS = 65536
 #: Seconds a wait lasts before the stall inspector logs it (0: off).
 DEFAULT_STALL_WARNING_S = 10.0
 # tf_rdma.cluster's DEFAULT_PORT_OFFSET (not imported: cluster imports the
@@ -149,6 +151,12 @@ SETTINGS = (
             "CPUs, else 0 (tasks that share cores would spin on the cores "
             "their peers need); every wait spins a few µs anyway "
             "(docs/collectives.md)"),
+    Setting("TF_RDMA_HOST_CPUS", "",
+            "the CPUs this host's tasks of the cluster share when each is "
+            "bound to its own part of them (`tf-rdma launch` sets it when it "
+            "binds); `auto` spin compares the tasks on the host with this "
+            "instead of the process's own CPUs; a positive integer, at most "
+            "65536"),
     Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
             "a task's tf_rdma endpoint listens on its gRPC port + this "
             "(tf_rdma.cluster)"),
@@ -308,6 +316,19 @@ def poll_microseconds(value=None, env=None):
     return _number("TF_RDMA_POLL_US", value, env, DEFAULT_POLL_US, int,
                    lambda us: 0 <= us <= 10000,
                    "an integer number of microseconds in [0, 10000]")
+
+
+def host_cpus(value=None, env=None):
+    """Returns the CPUs this host's tasks share: `value`, else TF_RDMA_HOST_CPUS, else 0 (unknown).
+
+    Set by `tf-rdma launch` when it binds each local task to its own CPUs:
+    each process then sees only its own, and the engine's `auto` spin needs
+    the whole host's count to tell that the tasks do not share cores.
+    """
+    return _number("TF_RDMA_HOST_CPUS", value, env, 0, int,
+                   lambda n: 1 <= n <= MAX_HOST_CPUS,
+                   f"a positive integer number of CPUs, at most "
+                   f"{MAX_HOST_CPUS}")
 
 
 def collective_spin_microseconds(value=None, env=None):

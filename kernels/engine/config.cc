@@ -139,6 +139,14 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                "' is not auto or an integer in [0, " +
                                std::to_string(kMaxSpinUs) + "]");
       }
+    } else if (key == "host_cpus") {
+      uint64_t v;
+      if (!ParseUint(value, &v) || v > kMaxHostCpus) {
+        return InvalidArgument("host_cpus '" + value +
+                               "' is not an integer in [0, " +
+                               std::to_string(kMaxHostCpus) + "]");
+      }
+      c.host_cpus = static_cast<int64_t>(v);
     } else if (key == "stall_warning_ms") {
       uint64_t v;
       if (!ParseUint(value, &v) || v > static_cast<uint64_t>(kMaxDeadlineMs)) {

@@ -203,10 +203,14 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
   int ncpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0
                   ? CPU_COUNT(&cpus)
                   : static_cast<int>(std::thread::hardware_concurrency());
+  // Bound to its own CPUs (tf-rdma launch): the tasks share the host's.
+  const bool bound = config_.host_cpus > 0;
+  if (bound) ncpus = static_cast<int>(config_.host_cpus);
   std::string why = std::to_string(tasks_here) + " task" +
                     (tasks_here == 1 ? "" : "s") +
                     " of the cluster on this host, " + std::to_string(ncpus) +
-                    " CPU" + (ncpus == 1 ? "" : "s");
+                    " CPU" + (ncpus == 1 ? "" : "s") +
+                    (bound ? ", each task bound to its own" : "");
   if (config_.collective_spin_us == kAutoSpin) {
     config_.collective_spin_us = tasks_here <= ncpus ? kAutoSpinUs : 0;
   } else {

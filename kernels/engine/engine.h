@@ -76,6 +76,8 @@ constexpr int64_t kHelpPollFactor = 4;
 constexpr int64_t kAutoSpin = -1;
 constexpr int64_t kAutoSpinUs = 500;
 constexpr int64_t kMaxSpinUs = 100000;
+// EngineConfig::host_cpus at most (tf_rdma/settings.py MAX_HOST_CPUS).
+constexpr uint64_t kMaxHostCpus = 65536;
 
 // The dynamic path, for tensors whose shape is only known at run time.
 //
@@ -123,6 +125,10 @@ struct EngineConfig {
   // it: kAutoSpinUs where this host runs no more of the cluster's tasks
   // than this process has CPUs, else 0.
   int64_t collective_spin_us = kAutoSpin;
+  // The CPUs this host's tasks share when each is bound to its own part of
+  // them (TF_RDMA_HOST_CPUS, set by tf-rdma launch when it binds); 0: not
+  // known, auto spin counts this process's own CPUs.
+  int64_t host_cpus = 0;
   // A wait longer than this is logged by the stall inspector (stall.cc);
   // 0: off.
   int64_t stall_warning_ms = 10000;
