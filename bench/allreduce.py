@@ -118,7 +118,7 @@ import subprocess
 import sys
 import time
 
-from _harness.children import (REPO, add_local_cluster,
+from _harness.children import (REPO, add_bind_argument, add_local_cluster,
                                add_process_arguments, make_tf_rdma_job,
                                run_processes, work_dir, worker_env)
 from _harness.report import (Run, print_table, result_entry, save_json,
@@ -696,8 +696,11 @@ def run_group(kind, nranks, args, workdir):
             make_tf_rdma_job(env, args.transport)
         cmds = [worker + ["--rank", str(r)] for r in range(nranks)]
     try:
+        # mpirun binds its own ranks (one core each where P <= cores);
+        # the others are bound the same way unless --bind none.
         return run_processes(f"{kind} P={nranks}", cmds, env, out,
-                             args.timeout, log, args.verbose)
+                             args.timeout, log, args.verbose,
+                             bind=kind != "mpi" and args.bind == "auto")
     finally:
         if kind == FLOOR:  # what a rank that failed early left behind
             for r in range(nranks):
@@ -1033,7 +1036,10 @@ def orchestrate(args):
                 run.machine.setdefault(key, value)
     print(f"{run.headline('allreduce benchmark')}; runs={args.runs} (at "
           f"least {SMALL_RUNS} up to 1 MiB) after {WARMUP} warm-up; time of "
-          f"a run = slowest rank")
+          f"a run = slowest rank; "
+          + ("ranks bound to their own CPUs where P <= cores (as mpirun "
+             "binds its own)" if args.bind == "auto" else
+             "ranks unbound (--bind none; mpirun still binds its own)"))
     print_tables(results, args.sizes, args.ranks)
     print()
     for nranks, picked in auto.items():
@@ -1068,6 +1074,7 @@ def orchestrate(args):
                   "mpirun": "mpirun --allow-run-as-root --oversubscribe "
                             "-n P",
                   "calibrate": args.calibrate,
+                  "bind": args.bind,
                   "block_bytes": args.block_bytes,
                   "auto": auto,
                   "skipped": skipped, "failed": failed,
@@ -1139,6 +1146,7 @@ def build_parser():
                         help="hard limit per set of processes in seconds "
                              "(default 900; --quick 300)")
     add_process_arguments(parser, SYSTEM_KINDS)
+    add_bind_argument(parser)
     parser.add_argument("--floor-block", type=_block_size, default=MiB,
                         metavar="SIZE",
                         help="the floor's block: it runs its four steps "

@@ -85,7 +85,8 @@ import statistics
 import sys
 import time
 
-from _harness.children import (add_local_cluster, add_process_arguments,
+from _harness.children import (add_bind_argument, add_local_cluster,
+                               add_process_arguments,
                                make_tf_rdma_job, run_processes, work_dir,
                                worker_env)
 from _harness.report import (Run, print_table, result_entry, save_json,
@@ -336,7 +337,7 @@ def run_system(kind, args, workdir):
     cmds = [worker + ["--rank", str(r)] for r in range(nranks)]
     log(f"{name}: starting {nranks} worker{'s' if nranks > 1 else ''}")
     docs, failure = run_processes(name, cmds, env, out, args.timeout, log,
-                                  args.verbose)
+                                  args.verbose, bind=args.bind == "auto")
     return name, nranks, docs, failure
 
 
@@ -511,7 +512,9 @@ def orchestrate(args):
 
     print(f"{run.headline('training benchmark')}; custom loop, {args.steps} "
           f"timed steps after {args.warmup} warm-up; step time = slowest "
-          f"rank")
+          f"rank; workers "
+          + ("bound to their own CPUs where P <= cores (as tf-rdma launch "
+             "binds them)" if args.bind == "auto" else "unbound (--bind none)"))
     print(f"model {model_text} ({params / 1e6:.1f} M parameters, "
           f"{grad_bytes / 1e6:.0f} MB of weights), per-replica "
           f"batch {args.batch}, P = {args.ranks}")
@@ -619,6 +622,7 @@ def orchestrate(args):
                   "optimizer": f"SGD, momentum {args.momentum:g}",
                   "algorithm": args.algorithm,
                   "bucket_bytes": args.bucket_bytes,
+                  "bind": args.bind,
                   "transport": args.transport or os.environ.get(
                       "TF_RDMA_TRANSPORT", "auto"),
                   "timing": "per step the max over ranks of the step call "
@@ -714,6 +718,7 @@ def build_parser():
                         help="hard limit per system in seconds (default 600;"
                              " --quick 300)")
     add_process_arguments(parser, SYSTEM_KINDS)
+    add_bind_argument(parser)
     return parser
 
 

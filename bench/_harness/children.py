@@ -255,23 +255,53 @@ def stop(procs):
             p.wait()
 
 
-def run_processes(label, cmds, env, out, timeout, log, verbose=False):
+def cpu_shares(n):
+    """Each of `n` local processes' own CPUs, as ``tf-rdma launch`` binds
+    its tasks (tf_rdma.launch.cpu_shares); None where there are fewer CPUs
+    than processes (or tf_rdma is not importable)."""
+    try:
+        from tf_rdma.launch import cpu_shares as shares
+    except ImportError:
+        return None
+    return shares(n)
+
+
+def add_bind_argument(parser):
+    """--bind: whether a bench binds its ranks as ``tf-rdma launch`` does."""
+    parser.add_argument(
+        "--bind", choices=("auto", "none"), default="auto",
+        help="auto (default): bind each rank of a system to its own CPUs "
+             "where there are at least as many CPUs as ranks, as tf-rdma "
+             "launch binds its tasks and mpirun its ranks; none: unbound")
+
+
+def run_processes(label, cmds, env, out, timeout, log, verbose=False,
+                  bind=False):
     """Runs `cmds` side by side under one hard limit.
 
     Every process writes its output to out/proc<i>.log and its results to
     out/*.json. When one exits with an error the others get 15 s more (they
-    are likely waiting for it) and are then stopped. Returns (the JSON
-    documents found in `out`, why the run failed or None).
+    are likely waiting for it) and are then stopped. With `bind`, process i
+    runs on the i-th of cpu_shares(len(cmds)) (unbound where that is None)
+    and TF_RDMA_HOST_CPUS tells tf_rdma's engine how many the processes
+    share. Returns (the JSON documents found in `out`, why the run failed or
+    None).
     """
     logs, procs = [], []
     t0 = time.perf_counter()
+    shares = cpu_shares(len(cmds)) if bind else None
+    if shares is not None:
+        env = dict(env, TF_RDMA_HOST_CPUS=str(sum(len(s) for s in shares)))
     try:
         for i, cmd in enumerate(cmds):
             logf = open(os.path.join(out, f"proc{i}.log"), "w")
             logs.append(logf)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=logf,
-                                          stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL))
+            share = shares[i] if shares is not None else None
+            procs.append(subprocess.Popen(
+                cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=(None if share is None else
+                            lambda share=share: os.sched_setaffinity(0, share))))
         deadline = time.monotonic() + timeout
         failure = None
         first_failed = None
