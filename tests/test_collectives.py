@@ -300,6 +300,53 @@ def test_oneshot_completes_inline_unless_it_must_wait():
                     assert handed_off >= 4, (i, kind, res["late_calls"])
 
 
+PIECES = r"""
+start()
+from tf_rdma import collectives as C
+g = C.default_group()
+P, r = g.size, g.rank
+SIZES = [1000, 70001, 3, 0, 65536, 20000]  # 156540 elements: above 256 KiB
+def bucket(q, dtype):
+    rng = np.random.default_rng([q, len(dtype)])
+    return [rng.integers(-3, 4, size=n).astype(dtype) for n in SIZES]
+bad, count = [], 0
+for dtype in ("float32", "int64"):
+    mine = [tf.constant(x) for x in bucket(r, dtype)]
+    everyone = [bucket(q, dtype) for q in range(P)]
+    for alg in C.ALGORITHMS:
+        for block in (4096, 1 << 20):
+            ys = C.all_reduce(mine, algorithm=alg, block_bytes=block,
+                              name=f"pieces/{dtype}/{alg}/{block}")
+            for i, y in enumerate(ys):
+                count += 1
+                if not np.array_equal(y.numpy(), sum(b[i] for b in everyone)):
+                    bad.append(["allreduce", dtype, alg, block, i])
+            root = (len(dtype) + block) % P
+            ys = C.reduce(mine, root=root, reduction="max", algorithm=alg,
+                          block_bytes=block,
+                          name=f"pieces/max/{dtype}/{alg}/{block}")
+            for i, y in enumerate(ys):
+                count += 1
+                want = (np.max([b[i] for b in everyone], axis=0)
+                        if r == root else bucket(r, dtype)[i])
+                if not np.array_equal(y.numpy(), want):
+                    bad.append(["reduce", dtype, alg, block, i])
+result({"bad": bad, "count": count})
+"""
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_large_bucket_is_read_where_its_tensors_are(P):
+    """Buckets of 256 KiB and more go to the collective as input pieces
+    (no copy into one buffer): blocks that span two tensors, an empty
+    tensor and the padding between tensors, every algorithm, against numpy."""
+    out = run_tasks({f"/job:worker/task:{i}": PIECES for i in range(P)},
+                    cluster=make_cluster(P), timeout=400)
+    for task, res in out.items():
+        assert res.result["count"] == 2 * len(ALGORITHMS) * 2 * 2 * 6, task
+        assert res.result["bad"] == [], (task, res.result["bad"][:20])
+
+
 def test_buckets_in_tf_function_subgroups_auto_and_calibrate():
     program = r"""
 start()

@@ -10,6 +10,8 @@
 #include <set>
 #include <utility>
 
+#include <sys/mman.h>
+
 #include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
 
@@ -162,6 +164,13 @@ class Runner {
                      ? engine_->config().collective_spin_us
                      : 0) {}
 
+  // This rank's input as pieces (StartCollective); src_ is then an
+  // address range reserved for the input's layout, never readable, that
+  // In() translates.
+  void SetInputPieces(std::vector<InputPiece> pieces) {
+    pieces_ = std::move(pieces);
+  }
+
   Status Run();
   // Runs the call as far as it goes: with `may_wait` to its end (*status
   // set, true); without, waiting for nothing, false where it would have
@@ -193,6 +202,12 @@ class Runner {
     uint64_t piece = spec_.count * spec_.element_bytes;
     return {piece * first, piece * (end - first)};
   }
+
+  // This rank's input at `p` for n bytes, `p` inside src_'s range (else
+  // `p` itself): with input pieces, the piece that holds all n bytes, or a
+  // copy gathered from the pieces (zeros between them), valid until the
+  // next call.
+  const uint8_t* In(const uint8_t* p, uint64_t n);
 
   // Channels and blocks.
   const SlotSpec& Channel(int from, int to);
@@ -283,7 +298,38 @@ class Runner {
   // kLatencyBoundBytes); 0: WaitForWord's few µs.
   const int64_t spin_us_;
   std::map<std::pair<int, int>, SlotSpec> channels_;
+  std::vector<InputPiece> pieces_;  // empty: the input is at src_
+  std::vector<uint8_t> gathered_;
 };
+
+const uint8_t* Runner::In(const uint8_t* p, uint64_t n) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(src_);
+  const uintptr_t at_address = reinterpret_cast<uintptr_t>(p);
+  if (pieces_.empty() || at_address < base ||
+      at_address >= base + All().length) {
+    return p;
+  }
+  const uint64_t at = at_address - base;
+  auto after = std::upper_bound(
+      pieces_.begin(), pieces_.end(), at,
+      [](uint64_t a, const InputPiece& piece) { return a < piece.offset; });
+  if (after != pieces_.begin()) {
+    const InputPiece& piece = *(after - 1);
+    if (at + n <= piece.offset + piece.bytes) {
+      return piece.data + (at - piece.offset);
+    }
+  }
+  gathered_.assign(n, 0);
+  for (const InputPiece& piece : pieces_) {
+    uint64_t lo = std::max(at, piece.offset);
+    uint64_t hi = std::min(at + n, piece.offset + piece.bytes);
+    if (lo < hi) {
+      std::memcpy(gathered_.data() + (lo - at),
+                  piece.data + (lo - piece.offset), hi - lo);
+    }
+  }
+  return gathered_.data();
+}
 
 // A channel from rank `from` to rank `to`: one slot of `depth` copies of a
 // block, alone in a region of the receiver's named after the instance and
@@ -339,6 +385,7 @@ Status Runner::Fail(const Status& s, const char* verb, int peer) const {
 }
 
 Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {
+  data = In(data, nbytes);
   SendTicket ticket;
   Status s = engine_->ClaimSend(Channel(rank_, to), &ticket);
   if (s.ok()) {
@@ -358,7 +405,8 @@ Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
   if (!s.ok()) return Fail(s, "receiving from", from);
   trace::Span apply(ticket.traced_since);
   if (local != nullptr) {
-    reduce_(dst, local, ticket.payload, nbytes / spec_.element_bytes);
+    reduce_(dst, In(local, nbytes), ticket.payload,
+            nbytes / spec_.element_bytes);
   } else {
     std::memcpy(dst, ticket.payload, nbytes);
   }
@@ -848,7 +896,7 @@ Status Runner::OneShot() {
 // copy of its block first.
 Status Runner::OneShotReduce(uint64_t at, uint64_t n,
                              std::vector<uint8_t>* scratch) {
-  const uint8_t* mine = src_ + at;
+  const uint8_t* mine = In(src_ + at, n);
   if (src_ == buf_ && rank_ >= 2) {
     scratch->assign(mine, mine + n);
     mine = scratch->data();
@@ -966,8 +1014,9 @@ bool Runner::SendOneBlock(bool may_wait, Status* status) {
       send_claimed_ = true;
     }
     if (may_wait) {
-      s = engine_->FinishSend(send_, OneBlockSource());
-    } else if (!engine_->TrySendNow(&send_, OneBlockSource(), &s)) {
+      s = engine_->FinishSend(send_, In(OneBlockSource(), piece_));
+    } else if (!engine_->TrySendNow(&send_, In(OneBlockSource(), piece_),
+                                    &s)) {
       return false;
     }
     send_claimed_ = false;
@@ -1046,7 +1095,7 @@ void Runner::CombineOneBlock() {
   if (reduces && !recv_from_.empty()) {
     const uint64_t elements = piece_ / spec_.element_bytes;
     std::vector<uint8_t> scratch;
-    const uint8_t* mine = src_;
+    const uint8_t* mine = In(src_, piece_);
     if (src_ == buf_ && rank_ >= 2) {
       scratch.assign(src_, src_ + piece_);
       mine = scratch.data();
@@ -1224,7 +1273,7 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
 
 void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
                      uint8_t* buf, const ReduceFn& reduce,
-                     CollectiveDone done) {
+                     CollectiveDone done, std::vector<InputPiece> pieces) {
   // What the call needs, kept alive until `done` (shared: the engine
   // thread's work item must be copyable).
   struct Started {
@@ -1232,10 +1281,38 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
     ReduceFn reduce;
     CollectiveDone done;
     std::unique_ptr<Runner> runner;
+    // Input pieces: the addresses that stand for the input's layout
+    // (reserved, never readable: a read that skipped Runner::In faults
+    // instead of reading another buffer), or the pieces gathered into one
+    // buffer where no address range could be had.
+    void* reserved = nullptr;
+    size_t reserved_bytes = 0;
+    std::vector<uint8_t> assembled;
+    ~Started() {
+      if (reserved != nullptr) munmap(reserved, reserved_bytes);
+    }
   };
   auto started = std::make_shared<Started>();
   started->reduce = reduce;
   started->done = std::move(done);
+  if (!pieces.empty()) {
+    uint64_t length = spec.count * spec.element_bytes;
+    void* p = mmap(nullptr, std::max<uint64_t>(length, 1), PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p != MAP_FAILED) {
+      started->reserved = p;
+      started->reserved_bytes = std::max<uint64_t>(length, 1);
+      src = static_cast<const uint8_t*>(p);
+    } else {
+      started->assembled.assign(length, 0);
+      for (const InputPiece& piece : pieces) {
+        std::memcpy(started->assembled.data() + piece.offset, piece.data,
+                    piece.bytes);
+      }
+      src = started->assembled.data();
+      pieces.clear();
+    }
+  }
   Engine* engine = Engine::Get();
   bool taken = false;
   Status s = Admit(spec, /*may_wait=*/false, &started->call, &taken);
@@ -1247,13 +1324,24 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
     // Another call of the instance runs: this one waits for it on an
     // engine thread.
     CollectiveSpec copy = spec;
-    engine->Schedule([started, copy, src, buf] {
-      started->done(RunCollective(copy, src, buf, started->reduce));
+    auto later = std::make_shared<std::vector<InputPiece>>(std::move(pieces));
+    engine->Schedule([started, copy, src, buf, later] {
+      bool admitted = false;
+      Status s = Admit(copy, /*may_wait=*/true, &started->call, &admitted);
+      if (s.ok()) {
+        Runner runner(started->call.spec, started->call.hash, src, buf,
+                      started->reduce);
+        runner.SetInputPieces(std::move(*later));
+        s = AdvanceToEnd(started->call, &runner);
+        Finish(started->call, s, /*inline_path=*/false);
+      }
+      started->done(s);
     });
     return;
   }
   started->runner.reset(new Runner(started->call.spec, started->call.hash,
                                    src, buf, started->reduce));
+  started->runner->SetInputPieces(std::move(pieces));
   if (started->runner->Advance(/*may_wait=*/false, &s)) {
     Finish(started->call, s, /*inline_path=*/true);
     started->done(s);

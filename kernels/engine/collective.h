@@ -109,15 +109,28 @@ using ReduceFn = std::function<void(void* dst, const void* a, const void* b,
 Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
                      uint8_t* buf, const ReduceFn& reduce);
 
+// A piece of this rank's input for an allreduce or reduce of a bucket: a
+// tensor where it is, at its byte offset in the collective's buffer.
+struct InputPiece {
+  uint64_t offset = 0;
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+
 // The same without holding the calling thread in a wait: `done` is called
 // once with the outcome, on this thread if the call completes without
 // waiting (a oneshot collective of one block whose peers are there: the
 // inline path, collective.cc), else on an engine thread. `src` and `buf`
-// must stay valid until then.
+// must stay valid until then. An allreduce or reduce may take its input
+// as `pieces` instead of `src` (null): sorted by offset, not overlapping,
+// the bytes between them reading as zeros; each block is read where its
+// piece lies (a block across pieces is gathered first), so a bucket of
+// tensors needs no copy into one buffer first.
 using CollectiveDone = std::function<void(const Status&)>;
 void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
                      uint8_t* buf, const ReduceFn& reduce,
-                     CollectiveDone done);
+                     CollectiveDone done,
+                     std::vector<InputPiece> pieces = {});
 
 }  // namespace tf_rdma
 

@@ -252,6 +252,13 @@ class PooledBuffer : public tensorflow::TensorBuffer {
   size_t capacity_;
 };
 
+// A bucket of an allreduce or reduce of at least this many bytes is read
+// where its tensors are (input pieces, collective.h) instead of being copied
+// into one buffer first: that copy is one more pass over all of a training
+// step's gradient bytes, while reserving the pieces' address range costs a
+// few µs, more than copying a small bucket.
+constexpr uint64_t kPiecesFromBytes = uint64_t{256} << 10;
+
 // Elements between buffers of a bucket, so that each starts 64-byte aligned.
 int64_t AlignedElements(int64_t elements, int64_t element_bytes) {
   int64_t unit = std::max<int64_t>(1, 64 / element_bytes);
@@ -313,6 +320,11 @@ class CollectiveOp : public AsyncOpKernel {
     Tensor buffer, source;
     bool reads_input = false;
     int64_t elements = 0;
+    // A large bucket of an allreduce or reduce: its tensors are read where
+    // they are (StartCollective's input pieces), not copied into the
+    // buffer first; `inputs` keeps them alive until the collective is done.
+    std::vector<InputPiece> pieces;
+    std::vector<Tensor> inputs;
     if (spec_.kind == CollectiveKind::kAllGather) {
       const Tensor& in = ctx->input(0);
       OP_REQUIRES_ASYNC(ctx, in.dims() >= 1,
@@ -362,12 +374,24 @@ class CollectiveOp : public AsyncOpKernel {
       }
       buffer = Pooled(TensorShape({elements}));
       char* base = static_cast<char*>(buffer.data());
+      const bool in_pieces =
+          out_of_place &&
+          static_cast<uint64_t>(elements * eb) >= kPiecesFromBytes;
       for (int i = 0; i < n; ++i) {
         const Tensor& in = ctx->input(i);
         int64_t end = i + 1 < n ? offsets[i + 1] : elements;
-        std::memcpy(base + offsets[i] * eb, in.data(), in.TotalBytes());
-        std::memset(base + offsets[i] * eb + in.TotalBytes(), 0,
-                    (end - offsets[i]) * eb - in.TotalBytes());
+        if (in_pieces) {
+          if (in.TotalBytes() > 0) {
+            pieces.push_back(InputPiece{
+                static_cast<uint64_t>(offsets[i] * eb),
+                static_cast<const uint8_t*>(in.data()), in.TotalBytes()});
+          }
+          inputs.push_back(in);
+        } else {
+          std::memcpy(base + offsets[i] * eb, in.data(), in.TotalBytes());
+          std::memset(base + offsets[i] * eb + in.TotalBytes(), 0,
+                      (end - offsets[i]) * eb - in.TotalBytes());
+        }
         if (spec_.kind == CollectiveKind::kReduce && !is_root) {
           ctx->set_output(i, in);
           continue;
@@ -390,16 +414,20 @@ class CollectiveOp : public AsyncOpKernel {
                    (spec_.kind == CollectiveKind::kReduce && is_root));
     uint8_t* data = static_cast<uint8_t*>(const_cast<void*>(buffer.data()));
     const int size = static_cast<int>(spec.group.size());
+    const bool has_pieces = !pieces.empty();
     // On this thread if the call needs no wait, else on an engine thread
     // (StartCollective); the tensors stay referenced until then.
     StartCollective(
-        spec, static_cast<const uint8_t*>(source.data()), data, reduce_,
-        [this, ctx, done, buffer, source, divide, data, count = spec.count,
-         size](const Status& s) {
+        spec,
+        has_pieces ? nullptr : static_cast<const uint8_t*>(source.data()),
+        data, reduce_,
+        [this, ctx, done, buffer, source, inputs, divide, data,
+         count = spec.count, size](const Status& s) {
           if (s.ok() && divide) divide_(data, count, size);
           ctx->SetStatus(ToTf(s));
           done();
-        });
+        },
+        std::move(pieces));
   }
 
  private:
