@@ -510,6 +510,42 @@ wait_file("done")
     assert "plan hash mismatch" in message or "hash" in message, got
 
 
+def test_a_oneshot_call_that_times_out_ends_every_wait_it_began():
+    """Rank 0's oneshot call writes to both peers and polls for both their
+    blocks on its own thread, hands off, and times out on the first; the
+    wait for the second, never finished, is given up too: the process's
+    data-wait clock stops."""
+    rank0 = r"""
+start(timeout=1)
+import tf_rdma, tf_rdma.counters
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([100]), algorithm="oneshot", name="alone").numpy()
+error = error_of(lambda: C.all_reduce(tf.ones([100]), algorithm="oneshot",
+                                      name="alone").numpy())
+before = tf_rdma.stats()
+time.sleep(1.0)
+d = tf_rdma.counters.difference(tf_rdma.stats(), before)
+touch("done")
+result({"error": error, "busy": d["data_wait_busy_seconds"]})
+"""
+    others = r"""
+start(timeout=1)
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([100]), algorithm="oneshot", name="alone").numpy()
+wait_file("done")
+"""
+    import tempfile
+    with tempfile.TemporaryDirectory() as sync:
+        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": others,
+                         "/job:worker/task:2": others},
+                        cluster=make_cluster(3), timeout=120,
+                        env={"TEST_SYNC_DIR": sync})
+    got = out["/job:worker/task:0"].result
+    assert got["error"] is not None, got
+    assert "allreduce 'alone'" in got["error"]["message"], got
+    assert got["busy"] < 0.1, got  # 1.0 if a wait were left running
+
+
 # all_gather_v: 3 ranks with different row counts (one with none), counts
 # that change from call to call, every algorithm, inside a tf.function with
 # an unknown first dimension; then a rank whose rows have another width:

@@ -121,7 +121,7 @@ def test_block_size_clamps():
     assert cost.block_size(1 << 40, 2, P0) == cost.MAX_BLOCK  # b* ~ 296 MiB
     assert cost.block_size(64 * MiB, 4096, P0) == cost.MIN_BLOCK  # b* ~ 36 KiB
     assert cost.block_size(10 * KiB, 2, P0) == 10 * KiB       # clamped to n
-    assert cost.block_size(1000, 2, P0) == 960                # multiple of 64
+    assert cost.block_size(1000, 2, P0) == 1024               # one block, 64s
     assert cost.block_size(10, 2, P0) == 64                   # at least 64
     assert cost.block_size(0, 8, P0) == 64
     assert cost.block_size(64 * MiB, 1, P0) == cost.block_size(64 * MiB, 2, P0)

@@ -1037,6 +1037,7 @@ bool Runner::RecvOneBlock(bool may_wait, Status* status) {
       Status s = engine_->ClaimRecv(Channel(recv_from_[i], rank_), &recvs_[i]);
       if (!s.ok()) {
         *status = Fail(s, "receiving from", recv_from_[i]);
+        for (size_t j = 0; j < i; ++j) engine_->CancelRecv(&recvs_[j], s);
         return true;
       }
       recvs_[i].nbytes = piece_;
@@ -1070,8 +1071,14 @@ bool Runner::RecvOneBlock(bool may_wait, Status* status) {
     if (polled_) recvs_[i].spin_us = 0;  // it has spun inline already
     Status s = engine_->FinishRecv(&recvs_[i]);
     if (!s.ok()) {
+      // The others: blocks taken go back to their writers, waits not
+      // finished are given up (the instance is poisoned now).
       for (size_t j = 0; j < recvs_.size(); ++j) {
-        if (arrived_[j]) engine_->Release(recvs_[j]);
+        if (arrived_[j]) {
+          engine_->Release(recvs_[j]);
+        } else if (j != i) {
+          engine_->CancelRecv(&recvs_[j], s);
+        }
       }
       *status = Fail(s, "receiving from", recv_from_[i]);
       return true;

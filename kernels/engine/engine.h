@@ -280,6 +280,10 @@ class Engine {
   // collectives' inline path): counted and traced like PollRecv's recv
   // when the data is there, else counted as a data wait that began.
   bool TakeRecvNow(RecvTicket* ticket);
+  // Gives up a claimed recv that will not be finished (a collective that
+  // failed on another of its waits): its step is given back, and a data
+  // wait it began ends, counted as failed.
+  void CancelRecv(RecvTicket* ticket, const Status& why);
   // TryRecvNow, polled for up to config().poll_us microseconds on the
   // caller's thread. Handing a wait to an engine thread and waking it when
   // the data lands costs tens of microseconds per transfer (measured: a

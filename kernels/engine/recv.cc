@@ -77,6 +77,11 @@ bool Engine::TakeRecvNow(RecvTicket* ticket) {
   return false;
 }
 
+void Engine::CancelRecv(RecvTicket* ticket, const Status& why) {
+  GiveBackRecv(ticket, why);
+  CountRecv(ticket, false);
+}
+
 bool Engine::PollRecv(RecvTicket* ticket) {
   if (TakeRecvNow(ticket)) return true;
   // A slot whose data never lands within the poll (a recv that starts long

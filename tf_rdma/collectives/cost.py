@@ -164,9 +164,12 @@ def block_size(nbytes, P, params=DEFAULT_PARAMS):
     pipeline's fill (b(P-2)·(β+δ)), smaller ones pay α more often (n/b·α).
     At P = 2 the fill is one block's copy, b·min(β, δ), and the denominator
     is min(β, δ) (it is the larger of the two for P >= 3). b* is clamped to
-    [MIN_BLOCK, MAX_BLOCK] (and to n, so a small message is one block), then
-    rounded down to a multiple of 64 bytes (at least 64), so that a block is
-    whole elements of every dtype and cache-line aligned.
+    [MIN_BLOCK, MAX_BLOCK] and rounded down to a multiple of 64 bytes, so
+    that a block is whole elements of every dtype and cache-line aligned;
+    where that covers the whole message, the block is n rounded *up* to a
+    multiple of 64 (at least 64), so that a small message is one block (400
+    bytes: one block of 448, not 384 and then 16; one block is what the
+    collectives' inline path takes).
 
     Args:
         nbytes: Message size in bytes (>= 0). For allgather, :func:`choose`
@@ -186,8 +189,10 @@ def block_size(nbytes, P, params=DEFAULT_PARAMS):
     fill = max((P - 2) * (params.beta + params.delta),
                min(params.beta, params.delta))
     b = math.sqrt(max(nbytes, 1) * params.alpha / fill)
-    b = min(max(b, MIN_BLOCK), MAX_BLOCK, max(nbytes, 64))
-    return max(64, int(b) // 64 * 64)
+    b = int(min(max(b, MIN_BLOCK), MAX_BLOCK)) // 64 * 64
+    if b >= nbytes:  # the whole message: one block
+        return max(64, -(-nbytes // 64) * 64)
+    return b
 
 
 def _blocks(nbytes, b):
