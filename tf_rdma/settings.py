@@ -148,7 +148,8 @@ SETTINGS = (
             "µs a collective of at most 1 MiB spins for each of its peers' "
             "blocks before it sleeps, in [0, 100000]; `auto`: 500 where this "
             "host runs no more of the cluster's tasks than the process has "
-            "CPUs, else 0 (tasks that share cores would spin on the cores "
+            "CPUs (TF_RDMA_HOST_CPUS where set), else 0 (tasks that share "
+            "cores would spin on the cores "
             "their peers need); every wait spins a few µs anyway "
             "(docs/collectives.md)"),
     Setting("TF_RDMA_HOST_CPUS", "",
