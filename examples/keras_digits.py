@@ -51,7 +51,9 @@ it is the *driver*: it takes the number of workers from that cluster and
 starts that many copies of itself as workers, on fresh local ports, each
 with its own ``TF_CONFIG`` task (the launched servers are not used: a server
 process cannot run this program's Python), once with RdmaStrategy and once
-with MultiWorkerMirroredStrategy, and prints the comparison. Started with a
+with MultiWorkerMirroredStrategy, and prints the comparison (the workers
+of both each bound to their own CPUs where there are enough, as ``tf-rdma
+launch`` binds its tasks). Started with a
 ``TF_CONFIG`` task (``--strategy`` says which), it is one worker; that is
 how it runs on a real cluster, one copy per host.
 
@@ -229,6 +231,7 @@ def _run_workers(args, strategy, num_workers, passthrough):
     """Starts num_workers copies of this script as workers; returns rank 0's result."""
     sys.path.insert(0, REPO)
     from tf_rdma import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+    from tf_rdma.launch import cpu_shares  # pylint: disable=import-outside-toplevel
 
     ports = cluster_lib.free_ports(num_workers, cluster_lib.port_offset())
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -236,15 +239,25 @@ def _run_workers(args, strategy, num_workers, passthrough):
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_RDMA_SECRET", os.urandom(16).hex())
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Each worker on its own CPUs where there are enough, as tf-rdma launch
+    # binds its tasks (both strategies alike).
+    shares = cpu_shares(num_workers)
+    if shares is not None:
+        env["TF_RDMA_HOST_CPUS"] = str(sum(len(share) for share in shares))
+    else:
+        env.pop("TF_RDMA_HOST_CPUS", None)
     procs, forwarders, outputs = [], [], [""] * num_workers
     for i in range(num_workers):
         e = dict(env, TF_CONFIG=json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": i}}))
+        share = shares[i] if shares is not None else None
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--strategy",
              strategy] + passthrough,
             env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True))
+            start_new_session=True,
+            preexec_fn=(None if share is None else
+                        lambda share=share: os.sched_setaffinity(0, share))))
         # stderr is forwarded as it comes, stdout (the result) collected.
         forwarders.append(threading.Thread(
             target=_forward_stderr, args=(procs[-1].stderr, env),
