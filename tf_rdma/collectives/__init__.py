@@ -304,10 +304,11 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         raise CollectiveError(f"{kind} concatenates along axis 0; a scalar "
                               f"has none")
     if kind == "allgatherv":
-        # The rows vary by call: the algorithm and block are chosen for a
-        # nominal count (the first dimension if known, else 256 rows).
-        rows = tensors[0].shape[0] if tensors[0].shape[0] is not None else 256
-        nbytes = max(1, rows) * tensors[0].shape[1:].num_elements() * dtype.size
+        # The rows vary by rank and by call, so the algorithm and block are
+        # chosen for a nominal 256 rows: every rank must choose the same, and
+        # the first dimension, where known, is only this rank's (a block that
+        # follows it gives each rank a different plan).
+        nbytes = 256 * tensors[0].shape[1:].num_elements() * dtype.size
     else:
         nbytes = sum(t.shape.num_elements() for t in tensors) * dtype.size
     if algorithm != "auto" and algorithm not in ALGORITHMS:
