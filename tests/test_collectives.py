@@ -573,6 +573,9 @@ for ALG in C.ALGORITHMS:
     out[ALG] = ok
 idx = C.all_gather_v(tf.constant([r] * (r + 1), tf.int64), name="gv/idx")
 out["int64"] = idx.numpy().tolist()
+# unnamed: the default name must not follow this rank's row count
+idx = C.all_gather_v(tf.constant([r] * (r + 1), tf.int64), timeout=20)
+out["unnamed"] = idx.numpy().tolist()
 try:
     width = 4 if r != 2 else 5
     C.all_gather_v(tf.ones([2, width]), name="gv/bad")
@@ -591,6 +594,7 @@ def test_all_gather_v_rows_that_differ_by_rank_and_call():
         for alg in ALGORITHMS:
             assert r[alg] == [True] * 4, (task, alg)
         assert r["int64"] == [0, 1, 1, 2, 2, 2]
+        assert r["unnamed"] == [0, 1, 1, 2, 2, 2]
         assert r["mismatch"].startswith("InvalidArgumentError"), r["mismatch"]
         assert "2 rows of 5 elements of float" in r["mismatch"] or \
             "2 rows of 4 elements of float" in r["mismatch"], r["mismatch"]

@@ -334,7 +334,12 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
     if not isinstance(depth, int) or depth < 1:
         raise CollectiveError(f"depth {depth!r} must be an integer >= 1")
     if name is None:
-        shapes = ",".join("x".join(str(d) for d in t.shape) for t in tensors)
+        # (an allgatherv's first dimension is this rank's: every rank must
+        # derive the same name)
+        shapes = ",".join(
+            "x".join(["?"] * (kind == "allgatherv")
+                     + [str(d) for d in t.shape[kind == "allgatherv":]])
+            for t in tensors)
         name = _default_name(f"{kind}:{dtype.name}:[{shapes}]:{algorithm}:"
                              f"{reduction}:{root}:{'|'.join(group.tasks)}")
     if kind == "allgatherv":
