@@ -249,10 +249,14 @@ def call(kind, i):
         root = i % P
         return C.broadcast(tf.constant(x), root=root, algorithm="oneshot",
                            name=f"{name}/{root}"), xs[root]
+    if kind == "bucket":  # 100 + 900 int64, padded by the op to 104 + 904
+        ys = C.all_reduce([tf.constant(x[:100]), tf.constant(x[100:])],
+                          algorithm="oneshot", name=name)
+        return tf.concat(ys, 0), sum(xs)
     return (C.all_gather(tf.constant(x.reshape(-1, 2)), algorithm="oneshot",
                          name=name), np.concatenate(xs).reshape(-1, 2))
 bad, late_calls = [], {}
-for kind in ("allreduce", "reduce", "broadcast", "allgather"):
+for kind in ("allreduce", "reduce", "broadcast", "allgather", "bucket"):
     for i in range(2 * P):  # a first call of each: connecting
         y, want = call(kind, i)
         if not np.array_equal(y.numpy(), want):
@@ -282,7 +286,8 @@ result({"bad": bad, "late_calls": late_calls, "same_bits": same_bits})
 def test_oneshot_completes_inline_unless_it_must_wait():
     """A small oneshot collective completes on the op's thread when its
     peers' blocks are there, and hands off to an engine thread when one is
-    late; both give numpy's result, and the same bits as many blocks."""
+    late; both give numpy's result, and the same bits as many blocks. A
+    small bucket is one block too (its block covers the op's padding)."""
     P = 3
     out = run_tasks({f"/job:worker/task:{i}": INLINE for i in range(P)},
                     cluster=make_cluster(P), timeout=240)
@@ -291,7 +296,7 @@ def test_oneshot_completes_inline_unless_it_must_wait():
         assert res["bad"] == [] and res["same_bits"], (i, res)
         for kind, (inline, handed_off) in res["late_calls"].items():
             assert inline + handed_off == 8, (i, kind, res["late_calls"])
-            if kind in ("allreduce", "allgather"):
+            if kind in ("allreduce", "allgather", "bucket"):
                 # The late rank finds every block there on its 4 late
                 # calls; the others wait 0.2 s for it, on an engine thread.
                 if i == 1:
@@ -331,6 +336,22 @@ for dtype in ("float32", "int64"):
                         if r == root else bucket(r, dtype)[i])
                 if not np.array_equal(y.numpy(), want):
                     bad.append(["reduce", dtype, alg, block, i])
+    # A group of one: the result is the rank's own input, which the call
+    # must copy out of the pieces (and out of an input it cannot take over:
+    # `x` stays referenced here) into its output.
+    alone = C.Group([g.tasks[r]])
+    x = tf.constant(bucket(r, dtype)[1])
+    for alg in C.ALGORITHMS:
+        for kind, call in (("allreduce", C.all_reduce), ("reduce", C.reduce)):
+            ys = call(mine, group=alone, algorithm=alg,
+                      name=f"alone/{kind}/{dtype}/{alg}")
+            ys.append(call(x, group=alone, algorithm=alg,
+                           name=f"alone1/{kind}/{dtype}/{alg}"))
+            for i, y in enumerate(ys):
+                count += 1
+                if not np.array_equal(y.numpy(), bucket(r, dtype)[i % 6]
+                                      if i < 6 else x.numpy()):
+                    bad.append([kind + " alone", dtype, alg, i])
 result({"bad": bad, "count": count})
 """
 
@@ -339,11 +360,12 @@ result({"bad": bad, "count": count})
 def test_a_large_bucket_is_read_where_its_tensors_are(P):
     """Buckets of 256 KiB and more go to the collective as input pieces
     (no copy into one buffer): blocks that span two tensors, an empty
-    tensor and the padding between tensors, every algorithm, against numpy."""
+    tensor and the padding between tensors, every algorithm, against numpy;
+    in a group of one too (its result is the input, copied from the pieces)."""
     out = run_tasks({f"/job:worker/task:{i}": PIECES for i in range(P)},
                     cluster=make_cluster(P), timeout=400)
     for task, res in out.items():
-        assert res.result["count"] == 2 * len(ALGORITHMS) * 2 * 2 * 6, task
+        assert res.result["count"] == 2 * len(ALGORITHMS) * (2 * 2 * 6 + 2 * 7), task
         assert res.result["bad"] == [], (task, res.result["bad"][:20])
 
 

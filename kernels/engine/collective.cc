@@ -180,6 +180,7 @@ class Runner {
   bool Advance(bool may_wait, Status* status);
 
  private:
+  void Alone();
   int Mod(int x) const { return ((x % size_) + size_) % size_; }
   uint64_t Blocks(uint64_t length) const {
     return (length + block_ - 1) / block_;
@@ -912,7 +913,10 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
     held[q].nbytes = n;
     held[q].spin_us = spin_us_;
     if (s.ok()) s = engine_->FinishRecv(&held[q]);
-    if (!s.ok()) return Fail(s, "receiving from", q);
+    if (!s.ok()) {
+      if (q == 1 && rank_ != 0) engine_->Release(held[0]);  // taken already
+      return Fail(s, "receiving from", q);
+    }
     first[q] = held[q].payload;
   }
   // Traced as the reduction of the later of the two received operands.
@@ -1005,6 +1009,7 @@ bool Runner::SendOneBlock(bool may_wait, Status* status) {
     const int to = send_to_[sent_];
     Status s;
     if (!send_claimed_) {
+      send_ = SendTicket();  // (a credit wait noted on the last send ended)
       s = engine_->ClaimSend(Channel(rank_, to), &send_);
       if (!s.ok()) {
         *status = Fail(s, "sending to", to);
@@ -1132,8 +1137,21 @@ void Runner::CombineOneBlock() {
   for (const RecvTicket& t : recvs_) engine_->Release(t);
 }
 
+// A group of one: the result is this rank's own input, which an
+// out-of-place call (the input not forwarded, or a bucket's input pieces)
+// still has to copy into the buffer; nothing else does it.
+void Runner::Alone() {
+  const Range all = All();
+  if (src_ == buf_) return;
+  for (uint64_t at = 0; at < all.length; at += block_) {
+    const uint64_t n = std::min<uint64_t>(block_, all.length - at);
+    std::memcpy(buf_ + at, In(src_ + at, n), n);
+  }
+}
+
 bool Runner::Advance(bool may_wait, Status* status) {
   *status = Status::Ok();
+  if (size_ == 1) Alone();
   if (size_ == 1 || All().length == 0) return true;
   if (!Inlinable()) {
     if (!may_wait) return false;
@@ -1149,6 +1167,7 @@ bool Runner::Advance(bool may_wait, Status* status) {
 }
 
 Status Runner::Run() {
+  if (size_ == 1) Alone();
   if (size_ == 1 || All().length == 0) return Status::Ok();
   switch (spec_.algorithm) {
     case Algorithm::kLp: return Lp();

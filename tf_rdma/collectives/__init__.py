@@ -310,7 +310,12 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         # follows it gives each rank a different plan).
         nbytes = 256 * tensors[0].shape[1:].num_elements() * dtype.size
     else:
-        nbytes = sum(t.shape.num_elements() for t in tensors) * dtype.size
+        # As the op lays a bucket out: each tensor 64-byte aligned (a block
+        # chosen for the bare sum could miss the padding by a few bytes and
+        # split a small bucket in two).
+        unit = max(1, 64 // dtype.size) if len(tensors) > 1 else 1
+        nbytes = sum(-(-t.shape.num_elements() // unit) * unit
+                     for t in tensors) * dtype.size
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise CollectiveError(f"algorithm {algorithm!r} is not one of auto, "
                               f"{', '.join(ALGORITHMS)}")
