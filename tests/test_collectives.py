@@ -532,6 +532,49 @@ wait_file("done")
     assert "plan hash mismatch" in message or "hash" in message, got
 
 
+def test_a_call_waiting_for_an_earlier_call_of_its_instance_is_bounded():
+    """A call that finds its instance busy (an earlier call of it, in
+    another thread, waits for a peer that never comes) fails after its own
+    timeout, saying why, instead of waiting as long as the earlier call."""
+    rank0 = r"""
+start(timeout=8)
+import threading
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([8]), algorithm="ring", name="busy").numpy()
+first = {}
+def earlier():
+    first["error"] = error_of(lambda: C.all_reduce(
+        tf.ones([8]), algorithm="ring", name="busy").numpy())
+thread = threading.Thread(target=earlier)
+thread.start()
+time.sleep(0.5)
+later = error_of(lambda: C.all_reduce(tf.ones([8]), algorithm="ring",
+                                      name="busy", timeout=1).numpy())
+thread.join()
+touch("done")
+result({"later": later, "first": first["error"]})
+"""
+    rank1 = r"""
+start(timeout=8)
+from tf_rdma import collectives as C
+C.all_reduce(tf.ones([8]), algorithm="ring", name="busy").numpy()
+wait_file("done")
+"""
+    import tempfile
+    with tempfile.TemporaryDirectory() as sync:
+        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
+                        cluster=make_cluster(2), timeout=120,
+                        env={"TEST_SYNC_DIR": sync})
+    got = out["/job:worker/task:0"].result
+    later, first = got["later"], got["first"]
+    assert later["type"] == "DeadlineExceededError", got
+    assert "earlier call of this instance" in later["message"], got
+    assert "allreduce 'busy'" in later["message"], got
+    assert later["elapsed_s"] < 5, got  # not the earlier call's 8 s
+    assert first["type"] == "DeadlineExceededError", got
+    assert "/job:worker/task:1" in first["message"], got
+
+
 def test_a_oneshot_call_that_times_out_ends_every_wait_it_began():
     """Rank 0's oneshot call writes to both peers and polls for both their
     blocks on its own thread, hands off, and times out on the first; the

@@ -1208,7 +1208,17 @@ Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
   std::string hash = spec.Hash();
   std::unique_lock<std::mutex> lock(state->mu);
   if (state->busy && !may_wait) return Status::Ok();
-  state->idle.wait(lock, [state] { return !state->busy; });
+  // Bounded like every wait: the earlier call's own waits are, but where
+  // the pool can start no thread it may be queued behind calls like this.
+  const int64_t timeout_ms =
+      spec.timeout_ms > 0 ? spec.timeout_ms : engine->config().timeout_ms;
+  if (!state->idle.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                            [state] { return !state->busy; })) {
+    return DeadlineExceeded(
+        spec.Describe() + ": timed out after " + std::to_string(timeout_ms) +
+        " ms waiting for an earlier call of this instance in this process "
+        "to end (calls of one instance run one at a time)");
+  }
   if (!state->poisoned.empty()) {
     return FailedPrecondition(spec.Describe() +
                               " cannot run any more: an earlier call failed (" +
