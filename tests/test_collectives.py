@@ -449,7 +449,7 @@ result(errors)
         assert fragment in errors[label], (label, errors[label])
 
 
-def test_a_killed_peer_fails_the_others_naming_collective_and_peer():
+def test_a_killed_peer_fails_the_others_naming_collective_and_peer(tmp_path):
     """Rank 1 is SIGKILLed 0.2 s into a long allreduce (128 MiB in 1 KiB
     blocks: 130k blocks a phase, seconds on this machine) that rank 0 is
     already in; rank 0 fails at once with an error naming the collective, its
@@ -478,12 +478,10 @@ except tf.errors.OpError as e:
     result({"error": type(e).__name__, "message": e.message,
             "seconds": time.monotonic() - t})
 """
-    import tempfile
-    with tempfile.TemporaryDirectory() as sync:
-        out = run_tasks({"/job:worker/task:0": survivor,
-                         "/job:worker/task:1": victim},
-                        cluster=make_cluster(2), timeout=120, check=False,
-                        env={"TEST_SYNC_DIR": sync})
+    out = run_tasks({"/job:worker/task:0": survivor,
+                     "/job:worker/task:1": victim},
+                    cluster=make_cluster(2), timeout=120, check=False,
+                    env={"TEST_SYNC_DIR": str(tmp_path)})
     assert out["/job:worker/task:1"].returncode == -9
     got = out["/job:worker/task:0"].result
     assert got["error"] in ("UnavailableError", "DeadlineExceededError"), got
@@ -492,7 +490,7 @@ except tf.errors.OpError as e:
     assert got["seconds"] < 25, got
 
 
-def test_a_stalled_peer_times_out_and_a_mismatch_names_both_hashes():
+def test_a_stalled_peer_times_out_and_a_mismatch_names_both_hashes(tmp_path):
     rank0 = r"""
 start(timeout=3)
 from tf_rdma import collectives as C
@@ -519,11 +517,9 @@ except tf.errors.OpError as e:
     pass
 wait_file("done")
 """
-    import tempfile
-    with tempfile.TemporaryDirectory() as sync:
-        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
-                        cluster=make_cluster(2), timeout=120,
-                        env={"TEST_SYNC_DIR": sync})
+    out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
+                    cluster=make_cluster(2), timeout=120,
+                    env={"TEST_SYNC_DIR": str(tmp_path)})
     got = out["/job:worker/task:0"].result
     message, seconds = got["stalled"]
     assert "allreduce 'stalled'" in message and "/job:worker/task:1" in message
@@ -532,7 +528,7 @@ wait_file("done")
     assert "plan hash mismatch" in message or "hash" in message, got
 
 
-def test_a_call_waiting_for_an_earlier_call_of_its_instance_is_bounded():
+def test_a_call_waiting_for_an_earlier_call_of_its_instance_is_bounded(tmp_path):
     """A call that finds its instance busy (an earlier call of it, in
     another thread, waits for a peer that never comes) fails after its own
     timeout, saying why, instead of waiting as long as the earlier call."""
@@ -560,11 +556,9 @@ from tf_rdma import collectives as C
 C.all_reduce(tf.ones([8]), algorithm="ring", name="busy").numpy()
 wait_file("done")
 """
-    import tempfile
-    with tempfile.TemporaryDirectory() as sync:
-        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
-                        cluster=make_cluster(2), timeout=120,
-                        env={"TEST_SYNC_DIR": sync})
+    out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": rank1},
+                    cluster=make_cluster(2), timeout=120,
+                    env={"TEST_SYNC_DIR": str(tmp_path)})
     got = out["/job:worker/task:0"].result
     later, first = got["later"], got["first"]
     assert later["type"] == "DeadlineExceededError", got
@@ -575,7 +569,7 @@ wait_file("done")
     assert "/job:worker/task:1" in first["message"], got
 
 
-def test_a_oneshot_call_that_times_out_ends_every_wait_it_began():
+def test_a_oneshot_call_that_times_out_ends_every_wait_it_began(tmp_path):
     """Rank 0's oneshot call writes to both peers and polls for both their
     blocks on its own thread, hands off, and times out on the first; the
     wait for the second, never finished, is given up too: the process's
@@ -599,12 +593,10 @@ from tf_rdma import collectives as C
 C.all_reduce(tf.ones([100]), algorithm="oneshot", name="alone").numpy()
 wait_file("done")
 """
-    import tempfile
-    with tempfile.TemporaryDirectory() as sync:
-        out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": others,
-                         "/job:worker/task:2": others},
-                        cluster=make_cluster(3), timeout=120,
-                        env={"TEST_SYNC_DIR": sync})
+    out = run_tasks({"/job:worker/task:0": rank0, "/job:worker/task:1": others,
+                     "/job:worker/task:2": others},
+                    cluster=make_cluster(3), timeout=120,
+                    env={"TEST_SYNC_DIR": str(tmp_path)})
     got = out["/job:worker/task:0"].result
     assert got["error"] is not None, got
     assert "allreduce 'alone'" in got["error"]["message"], got
