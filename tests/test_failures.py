@@ -219,6 +219,55 @@ def test_a_peer_that_ends_normally_says_goodbye(transport, tmp_path):
     assert "lost connection" not in out["worker:0"].stderr
 
 
+# The goodbye on a busy connection: worker:1 streams tensors to worker:0
+# over tcp, whose frames keep worker:0's reader thread for that connection
+# waking, and worker:0 closes its endpoint in the middle of the stream (its
+# reader leaves at once; the connection must still get its goodbye).
+ENDED_BUSY = HELPERS + """
+to0 = tf_rdma.Plan([tf_rdma.Transfer("f", "worker:1", "worker:0", "float32",
+                                     [16])], name="busy_stop", depth=16)
+ep = start()
+if task == "worker:0":
+    got = []
+    def receive():
+        while True:
+            try:
+                got.append(float(tf_rdma.ops.recv(to0, "f", timeout=20)[0]))
+            except Exception:
+                return
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    while len(got) < 300 and thread.is_alive():
+        time.sleep(0.001)
+    ep.close()
+    thread.join(30)
+    wait_file("done")
+    result({"received": len(got)})
+else:
+    step, error = 0, None
+    while error is None:
+        step += 1
+        error = error_of(lambda: tf_rdma.ops.send(
+            tf.fill([16], float(step)), to0, "f", timeout=30))
+    touch("done")
+    result({"error": error, "steps": step})
+"""
+
+
+def test_a_busy_connection_still_gets_its_goodbye(tmp_path):
+    use_transport("tcp")
+    out = run_tasks({"worker:0": ENDED_BUSY, "worker:1": ENDED_BUSY},
+                    timeout=120, env={"TEST_SYNC_DIR": str(tmp_path),
+                                      "TF_RDMA_TRANSPORT": "tcp"})
+    assert out["worker:0"].result["received"] >= 300
+    sender = out["worker:1"]
+    error = sender.result["error"]
+    _assert_names(error, "'f'", PEER0, f"{PEER0} stopped its endpoint")
+    assert error["type"] == "UnavailableError", error
+    assert error["elapsed_s"] < 10, error  # its timeout was 30 s
+    assert "lost connection" not in sender.stderr, sender.stderr
+
+
 # ---------------------------------------------------------------------------
 # A clean transfer, a stalled peer and plan hash mismatches, in one run.
 

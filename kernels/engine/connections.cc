@@ -321,15 +321,24 @@ void Engine::SayGoodbye(const std::shared_ptr<Connection>& conn) {
   // Short: a peer that does not read (stopped, partitioned) must not hold
   // up a stopping process; 48 bytes fit any socket buffer that has room.
   constexpr int64_t kGoodbyeMs = 100;
-  std::unique_lock<std::mutex> lock(conn->send_mu, std::try_to_lock);
-  if (!lock.owns_lock()) return;
+  // A send may hold the socket for a while (a write to a full buffer):
+  // wait for it only as long.
+  Deadline deadline(kGoodbyeMs);
+  std::unique_lock<std::mutex> lock(conn->send_mu, std::defer_lock);
+  while (!lock.try_lock()) {
+    if (deadline.Expired()) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  // After a frame cut short the peer would read the goodbye as the rest of
+  // that frame: such a connection is only closed.
+  if (conn->pair && conn->pair->broken()) return;
   FrameHeader h;
   h.type = kGoodbye;
   struct iovec iov;
   iov.iov_base = &h;
   iov.iov_len = sizeof(h);
   size_t sent = 0;
-  SendAllv(conn->fd, &iov, 1, Deadline(kGoodbyeMs), &sent);
+  SendAllv(conn->fd, &iov, 1, deadline, &sent);
 }
 
 void Engine::SendReply(const std::shared_ptr<Connection>& conn,

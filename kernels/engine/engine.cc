@@ -234,6 +234,14 @@ void Engine::Stop() {
   if (!started_.exchange(false)) return;
   // First, while the connections still answer: the last clock offsets.
   timeline::Stop();
+  // The connections as they are now: a reader thread leaves its
+  // connection's set entry once stopping_ is seen (at its next frame, or
+  // within 100 ms), and each must still get its goodbye and be closed.
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    open.assign(connections_.begin(), connections_.end());
+  }
   stopping_ = true;
   shutdown(listen_fd_, SHUT_RDWR);
   uint64_t one = 1;
@@ -242,8 +250,17 @@ void Engine::Stop() {
   }
   if (accept_thread_.joinable()) accept_thread_.join();
   if (progress_thread_.joinable()) progress_thread_.join();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& conn : connections_) {
+  {
+    // And any accepted since (the accept thread has ended).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& conn : connections_) {
+      if (std::find(open.begin(), open.end(), conn) == open.end()) {
+        open.push_back(conn);
+      }
+    }
+  }
+  // (without mu_: a peer that reads nothing holds each goodbye 100 ms)
+  for (const auto& conn : open) {
     if (!conn->gone.load()) SayGoodbye(conn);
     std::lock_guard<std::mutex> cl(conn->mu);
     conn->dead = true;
@@ -255,6 +272,7 @@ void Engine::Stop() {
   }
   poller_recheck_.store(true);
   RingPoller();
+  std::lock_guard<std::mutex> lock(mu_);
   // Mappings stay valid (tensors may still alias them); the names go.
   for (auto& region : regions_) region->memory->Unlink();
   close(listen_fd_);
