@@ -542,3 +542,19 @@ def test_tensorflow_start_up_notices_are_dropped_unless_asked_for():
     assert launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert not launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "0"})
     assert not launch._quiet_tensorflow({})
+
+
+@pytest.mark.fast
+def test_a_binding_that_fails_is_reported_not_a_traceback():
+    """sched_setaffinity fails in the child (a CPU the launcher does not
+    have): subprocess says only that the child's set-up failed, so the
+    launcher's message names the CPUs and --bind none."""
+    from tf_rdma.launch import _bound, _start_error
+    missing = [4095]
+    with pytest.raises(subprocess.SubprocessError) as caught:
+        subprocess.Popen([sys.executable, "-c", "pass"],
+                         preexec_fn=_bound(None, missing))
+    text = _start_error(caught.value, missing)
+    assert "binding it to CPUs 4095 failed" in text and "--bind none" in text
+    assert _start_error(FileNotFoundError(2, "No such file"), missing) == \
+        "[Errno 2] No such file"

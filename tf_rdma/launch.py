@@ -335,6 +335,17 @@ def _bound(preexec, cpus):
     return run
 
 
+def _start_error(err, cpus):
+    """What a failed start says: an OSError's text, or for the set-up run in
+    the child before exec (subprocess reports only that it failed) the CPUs
+    it was to be bound to."""
+    if isinstance(err, OSError) or cpus is None:
+        return str(err)
+    return (f"{err} (binding it to CPUs {_cpu_list(cpus)} failed: were they "
+            f"taken offline or out of this launcher's set? --bind none "
+            f"leaves the tasks unbound)")
+
+
 def _parent_death_signal():
     """Returns a preexec_fn that makes a child get SIGTERM when the launcher dies.
 
@@ -578,8 +589,9 @@ class _Launcher:
             ]
             try:
                 server.start(argv, env, self.out, _bound(preexec, shares and shares[i]))
-            except OSError as err:
-                self.out.say(f"could not start the server for {server.task}: {err}")
+            except (OSError, subprocess.SubprocessError) as err:
+                self.out.say(f"could not start the server for {server.task}: "
+                             f"{_start_error(err, shares and shares[i])}")
                 return 1
             self.pids.append(server.proc.pid)
             self.out.say(f"started {server.task} pid={server.proc.pid}")
@@ -617,7 +629,7 @@ class _Launcher:
             self.out.say(f"not binding the {len(self.servers)} tasks to CPUs: this "
                          f"launcher may use {len(cpus)} CPU(s), fewer than the tasks")
             return None
-        env["TF_RDMA_HOST_CPUS"] = str(len(cpus))
+        env.setdefault("TF_RDMA_HOST_CPUS", str(len(cpus)))  # a user's stands
         self.out.say("bound each task to its own CPUs (--bind none: unbound): " + ", ".join(
             f"{s.job}:{s.index} {_cpu_list(share)}" for s, share in zip(self.servers, shares)))
         return shares
@@ -635,8 +647,9 @@ class _Launcher:
             try:
                 server.start(self.command, env, self.out,
                              _bound(preexec, shares and shares[i]))
-            except OSError as err:
-                self.out.say(f"could not run {_one_line(self.command)}: {err}")
+            except (OSError, subprocess.SubprocessError) as err:
+                self.out.say(f"could not run {_one_line(self.command)}: "
+                             f"{_start_error(err, shares and shares[i])}")
                 return 126 if isinstance(err, PermissionError) else 127
             self.pids.append(server.proc.pid)
         self.out.say(
