@@ -1837,6 +1837,13 @@ TEST(wait_for_word) {
   EXPECT_CODE(s, kUnavailable);
   EXPECT_EQ(s.message(), std::string("peer went away"));
   EXPECT_LT(MsSince(t0), int64_t{10000});
+  // A peer that published and then went away (its goodbye is what the
+  // check sees): the word is read again, and the data counts.
+  s = tf_rdma::WaitForWord(&word, 6, Deadline(30000), [&word]() {
+    word.store(6);
+    return tf_rdma::Unavailable("peer stopped its endpoint");
+  });
+  EXPECT_OK(s);
 }
 
 TEST(wait_for_word_woken_by_publish) {
