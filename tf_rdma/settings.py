@@ -155,9 +155,9 @@ SETTINGS = (
     Setting("TF_RDMA_HOST_CPUS", "",
             "the CPUs this host's tasks of the cluster share when each is "
             "bound to its own part of them (`tf-rdma launch` sets it when it "
-            "binds, unless it is set already); `auto` spin compares the tasks on the host with this "
-            "instead of the process's own CPUs; a positive integer, at most "
-            "65536"),
+            "binds, unless it is set already); `auto` spin compares the tasks "
+            "on the host with this instead of the process's own CPUs; a "
+            "positive integer, at most 65536"),
     Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
             "a task's tf_rdma endpoint listens on its gRPC port + this "
             "(tf_rdma.cluster)"),

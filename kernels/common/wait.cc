@@ -58,10 +58,12 @@ Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
     if (seen >= target) return Status::Ok();
     if (check) {
       Status s = check();
-      // The word may have moved since it was read: a peer that published
-      // and then stopped (its goodbye is what check() saw) did deliver.
-      if (!s.ok() && word->load(std::memory_order_acquire) < target) return s;
-      if (!s.ok()) return Status::Ok();
+      if (!s.ok()) {
+        // The word may have moved since it was read: a peer that published
+        // and then stopped (its goodbye is what check() saw) did deliver.
+        return word->load(std::memory_order_acquire) >= target ? Status::Ok()
+                                                                : s;
+      }
     }
     int64_t left = deadline.RemainingMs();
     if (left <= 0) {

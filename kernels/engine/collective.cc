@@ -1151,8 +1151,11 @@ void Runner::Alone() {
 
 bool Runner::Advance(bool may_wait, Status* status) {
   *status = Status::Ok();
-  if (size_ == 1) Alone();
-  if (size_ == 1 || All().length == 0) return true;
+  if (size_ == 1) {
+    Alone();
+    return true;
+  }
+  if (All().length == 0) return true;
   if (!Inlinable()) {
     if (!may_wait) return false;
     *status = Run();
@@ -1167,8 +1170,11 @@ bool Runner::Advance(bool may_wait, Status* status) {
 }
 
 Status Runner::Run() {
-  if (size_ == 1) Alone();
-  if (size_ == 1 || All().length == 0) return Status::Ok();
+  if (size_ == 1) {
+    Alone();
+    return Status::Ok();
+  }
+  if (All().length == 0) return Status::Ok();
   switch (spec_.algorithm) {
     case Algorithm::kLp: return Lp();
     case Algorithm::kRing: return Ring();

@@ -339,12 +339,12 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
     if not isinstance(depth, int) or depth < 1:
         raise CollectiveError(f"depth {depth!r} must be an integer >= 1")
     if name is None:
-        # (an allgatherv's first dimension is this rank's: every rank must
-        # derive the same name)
-        shapes = ",".join(
-            "x".join(["?"] * (kind == "allgatherv")
-                     + [str(d) for d in t.shape[kind == "allgatherv":]])
-            for t in tensors)
+        def dims(t):
+            # An allgatherv's first dimension is this rank's own: every rank
+            # must derive the same name.
+            d = [str(n) for n in t.shape]
+            return ["?"] + d[1:] if kind == "allgatherv" else d
+        shapes = ",".join("x".join(dims(t)) for t in tensors)
         name = _default_name(f"{kind}:{dtype.name}:[{shapes}]:{algorithm}:"
                              f"{reduction}:{root}:{'|'.join(group.tasks)}")
     if kind == "allgatherv":
