@@ -229,7 +229,8 @@ class _Rank:
         self.system = system
         self.doc = {"system": system, "rank": rank, "P": nranks,
                     "pid": os.getpid(), "info": {}, "times": {},
-                    "waits": {}, "errors": {}, "done": False}
+                    "waits": {}, "starts": {}, "errors": {},
+                    "done": False}
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
     def save(self):
@@ -267,6 +268,7 @@ class _Rank:
                              else expected_sum) for name in variants}
             times = {name: [] for name in variants}
             waits = {name: [] for name in variants}
+            starts = {name: [] for name in variants}
 
             def error(name, message):
                 self.doc["errors"].setdefault(name, {})[str(size)] = message
@@ -291,6 +293,7 @@ class _Rank:
                         del variants[name]
                         times.pop(name)
                         waits.pop(name)
+                        starts.pop(name)
                         continue
                     expected = expect[name]
                     if expected is not None and (
@@ -312,6 +315,9 @@ class _Rank:
                     del y
                     if r >= WARMUP:
                         times[name].append(dt)
+                        # perf_counter is CLOCK_MONOTONIC on Linux: one
+                        # clock for every process of the host.
+                        starts[name].append(t0)
                         if w is not None:
                             waits[name].append(w)
             for name, ts in times.items():
@@ -319,6 +325,8 @@ class _Rank:
                 if waits[name]:
                     self.doc["waits"].setdefault(name, {})[str(size)] = \
                         waits[name]
+                self.doc["starts"].setdefault(name, {})[str(size)] = \
+                    starts[name]
             self.save()  # partial results survive a later timeout
             del variants, x, expected_sum, expect
         self.doc["done"] = True
@@ -742,12 +750,30 @@ def combine(docs, nranks):
             if name != DISPATCH and all(waits):
                 extra["median_waited_s"] = statistics.median(
                     _slowest_rank_waits(per_rank, waits))
+            starts = [d.get("starts", {}).get(name, {}).get(str(size))
+                      for d in docs]
+            if all(starts):
+                extra["median_from_last_start_s"] = statistics.median(
+                    _from_last_start(per_rank, starts))
             results.append(result_entry(
                 name, DISPATCH_OP if name == DISPATCH else OP, size, per_run,
                 nranks, rank0_median_s=statistics.median(
                     rank0["times"][name][str(size)][:len(per_run)]),
                 **extra))
     return results, errors
+
+
+def _from_last_start(per_rank, starts):
+    """Per run, from the last rank's start to the last rank's end.
+
+    The run's own time (slowest rank) also counts how much earlier than
+    its peers a rank left the barrier before the call: that skew is the
+    barrier's and the caller's, not the call's. Starts are read on one
+    clock (CLOCK_MONOTONIC: the ranks share the host).
+    """
+    runs = min(len(t) for t in per_rank + starts)
+    return [max(s[i] + t[i] for s, t in zip(starts, per_rank)) -
+            max(s[i] for s in starts) for i in range(runs)]
 
 
 def _slowest_rank_waits(per_rank, waits):
@@ -964,6 +990,21 @@ def checks(results):
                          f"its peers' blocks, as long as all the "
                          f"{human_time(net)} after the dispatch (they arrive "
                          f"that much later); ")
+            late = {system: by[(system, size, nranks)].get(
+                        "median_from_last_start_s")
+                    for system in (name, DISPATCH, OPENMPI)}
+            measured["from_last_start_s"] = late
+            if None not in late.values():
+                # The same difference with every time taken from the
+                # later rank's start: the barrier's exit skew off both.
+                own = max(late[name] - late[DISPATCH], 0.0)
+                bound += (f"from the later rank's start (the skew of the "
+                          f"ranks leaving the barrier off both): "
+                          f"{human_time(late[name])} - dispatch "
+                          f"{human_time(late[DISPATCH])} = "
+                          f"{human_time(own)} vs {OPENMPI} "
+                          f"{human_time(late[OPENMPI])}, "
+                          f"{_times(own / late[OPENMPI])} its time; ")
             bound += (f"the dispatch alone {human_time(dispatch)} is "
                       f"{_times(dispatch / mpi)} {OPENMPI}'s "
                       f"{human_time(mpi)} (not counted by the target)")

@@ -449,6 +449,48 @@ result(errors)
         assert fragment in errors[label], (label, errors[label])
 
 
+def test_an_instance_refuses_another_layout_after_many_calls():
+    """Admission checks a call's layout against its instance's once per
+    spec, not once per call: after calls with one spec, a call that changes
+    any field of the layout still fails naming both hashes, and the first
+    spec (and a timeout, which is no part of the layout) still runs."""
+    program = r"""
+start()
+from tf_rdma import collectives as C
+from tf_rdma.errors import CollectiveError
+x = tf.ones([4])
+def call(tensor=x, fn=C.all_reduce, **kw):
+    args = dict(algorithm="oneshot", block_bytes=64, name="one/instance")
+    args.update(kw)
+    return fn(tensor, **args)
+outcome = {}
+for label, kw in [("first", {}), ("again", {}),
+                  ("count", {"tensor": tf.ones([5])}),
+                  ("dtype", {"tensor": tf.ones([4], tf.float64)}),
+                  ("algorithm", {"algorithm": "ring"}),
+                  ("block", {"block_bytes": 128}),
+                  ("reduction", {"reduction": "max"}),
+                  ("kind", {"fn": C.broadcast}),
+                  ("depth", {"depth": 2}),
+                  ("first_again", {}),
+                  ("timeout", {"timeout": 30.0})]:
+    try:
+        y = call(**kw)
+        outcome[label] = "ok" if np.array_equal(y.numpy(), np.ones(4)) else "wrong"
+    except (CollectiveError, tf.errors.InvalidArgumentError) as e:
+        outcome[label] = str(e)
+result(outcome)
+"""
+    out = run_tasks({"/job:worker/task:0": program}, cluster=make_cluster(1),
+                    timeout=120)
+    outcome = out["/job:worker/task:0"].result
+    for label in ("first", "again", "first_again", "timeout"):
+        assert outcome[label] == "ok", (label, outcome)
+    for label in ("count", "dtype", "algorithm", "block", "reduction", "kind",
+                  "depth"):
+        assert "another layout" in outcome[label], (label, outcome)
+
+
 def test_a_killed_peer_fails_the_others_naming_collective_and_peer(tmp_path):
     """Rank 1 is SIGKILLed 0.2 s into a long allreduce (128 MiB in 1 KiB
     blocks: 130k blocks a phase, seconds on this machine) that rank 0 is

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include <sys/mman.h>
@@ -104,6 +105,18 @@ std::string CollectiveSpec::Hash() const {
   return ToHex(d.data(), 8);
 }
 
+bool CollectiveSpec::SameAs(const CollectiveSpec& o) const {
+  return std::tie(instance, kind, algorithm, reduction, dtype, group, rank,
+                  root, count, count_in_hash, element_bytes, block_bytes,
+                  depth, timeout_ms) ==
+         std::tie(o.instance, o.kind, o.algorithm, o.reduction, o.dtype,
+                  o.group, o.rank, o.root, o.count, o.count_in_hash,
+                  o.element_bytes, o.block_bytes, o.depth, o.timeout_ms);
+}
+// A tripwire for SameAs: a field added to CollectiveSpec changes its size.
+static_assert(sizeof(CollectiveSpec) == 184 || sizeof(void*) != 8,
+              "compare the new CollectiveSpec field in SameAs");
+
 std::string CollectiveSpec::Describe() const {
   return std::string(KindName(kind)) + " '" + instance + "' (" +
          AlgorithmName(algorithm) + ", rank " + std::to_string(rank) + " of " +
@@ -117,13 +130,23 @@ namespace {
 // instance from its admission to its end, which may come on another thread
 // than its start (the inline path), so a flag rather than a held mutex.
 struct InstanceState {
-  std::mutex mu;  // guards everything below
+  std::mutex mu;  // guards everything below but `channels`
   std::condition_variable idle;  // notified when `busy` clears
   bool busy = false;
   std::string hash;
   std::string describe;
   std::string poisoned;
   uint64_t calls = 0;  // the step its trace events name
+  // The spec of the last admitted call and the task it was checked for:
+  // a call with the same one skips Validate and Hash (Admit) and reuses
+  // the channels' slot specs.
+  bool checked = false;
+  CollectiveSpec checked_spec;
+  std::string checked_task;
+  std::string call_describe;  // "allreduce 'grads'"
+  // Runner::Channel's slot specs for checked_spec, used only by the call
+  // that holds the instance (busy), so without `mu`.
+  std::map<std::pair<int, int>, SlotSpec> channels;
 };
 
 std::mutex g_instances_mu;
@@ -147,7 +170,10 @@ struct Range {
 
 class Runner {
  public:
+  // `spec` and `hash` outlive the runner; `channels` are the instance's
+  // (InstanceState), kept from call to call.
   Runner(const CollectiveSpec& spec, const std::string& hash,
+         std::map<std::pair<int, int>, SlotSpec>* channels,
          const uint8_t* src, uint8_t* buf, const ReduceFn& reduce)
       : spec_(spec),
         src_(src),
@@ -162,7 +188,8 @@ class Runner {
         engine_(Engine::Get()),
         spin_us_(All().length <= kLatencyBoundBytes
                      ? engine_->config().collective_spin_us
-                     : 0) {}
+                     : 0),
+        channels_(*channels) {}
 
   // This rank's input as pieces (StartCollective); src_ is then an
   // address range reserved for the input's layout, never readable, that
@@ -293,12 +320,13 @@ class Runner {
   const int size_;
   const int rank_;
   const uint64_t block_;
-  const std::string hash_;
+  const std::string& hash_;
   Engine* engine_;
   // How long a wait for a block spins before it sleeps (see
   // kLatencyBoundBytes); 0: WaitForWord's few µs.
   const int64_t spin_us_;
-  std::map<std::pair<int, int>, SlotSpec> channels_;
+  // The slot spec of each (from, to) channel, built on its first use.
+  std::map<std::pair<int, int>, SlotSpec>& channels_;
   std::vector<InputPiece> pieces_;  // empty: the input is at src_
   std::vector<uint8_t> gathered_;
 };
@@ -1208,10 +1236,9 @@ Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
         spec.Describe() + ": the tf_rdma endpoint is not running in this "
         "process; call tf_rdma.start_endpoint (or use RdmaStrategy) first");
   }
-  TF_RDMA_RETURN_IF_ERROR(spec.Validate(engine->config().task));
   engine->LogCollectiveSpin();
   InstanceState* state = GetInstance(spec.instance);
-  std::string hash = spec.Hash();
+  const std::string& task = engine->config().task;
   std::unique_lock<std::mutex> lock(state->mu);
   if (state->busy && !may_wait) return Status::Ok();
   // Bounded like every wait: the earlier call's own waits are, but where
@@ -1230,26 +1257,36 @@ Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
                               " cannot run any more: an earlier call failed (" +
                               state->poisoned + ")");
   }
-  if (state->hash.empty()) {
-    state->hash = hash;
-    state->describe = spec.Describe();
-  } else if (state->hash != hash) {
-    return InvalidArgument(
-        "collective instance '" + spec.instance + "' was first used by " +
-        state->describe + " with another layout (hash " + state->hash +
-        "), now with hash " + hash +
-        "; give collectives of different shapes, dtypes or algorithms "
-        "different names");
+  if (!state->checked || state->checked_task != task ||
+      !spec.SameAs(state->checked_spec)) {
+    TF_RDMA_RETURN_IF_ERROR(spec.Validate(task));
+    std::string hash = spec.Hash();
+    if (state->hash.empty()) {
+      state->hash = hash;
+      state->describe = spec.Describe();
+    } else if (state->hash != hash) {
+      return InvalidArgument(
+          "collective instance '" + spec.instance + "' was first used by " +
+          state->describe + " with another layout (hash " + state->hash +
+          "), now with hash " + hash +
+          "; give collectives of different shapes, dtypes or algorithms "
+          "different names");
+    }
+    state->checked = true;
+    state->checked_spec = spec;
+    state->checked_task = task;
+    state->call_describe =
+        std::string(KindName(spec.kind)) + " '" + spec.instance + "'";
+    state->channels.clear();
   }
   state->busy = true;
   *taken = true;
   call->spec = spec;
-  call->hash = std::move(hash);
+  call->hash = state->hash;
   call->state = state;
   call->number = ++state->calls;
   call->traced_since = trace::Claim();
-  call->describe =
-      std::string(KindName(spec.kind)) + " '" + spec.instance + "'";
+  call->describe = state->call_describe;
   engine->CollectiveBegin(spec.instance, call->number);
   return Status::Ok();
 }
@@ -1307,7 +1344,8 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
   Call call;
   bool taken = false;
   TF_RDMA_RETURN_IF_ERROR(Admit(spec, /*may_wait=*/true, &call, &taken));
-  Runner runner(call.spec, call.hash, src, buf, reduce);
+  Runner runner(call.spec, call.hash, &call.state->channels, src, buf,
+                reduce);
   Status s = AdvanceToEnd(call, &runner);
   Finish(call, s, /*inline_path=*/false);
   return s;
@@ -1371,7 +1409,8 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
       bool admitted = false;
       Status s = Admit(copy, /*may_wait=*/true, &started->call, &admitted);
       if (s.ok()) {
-        Runner runner(started->call.spec, started->call.hash, src, buf,
+        Runner runner(started->call.spec, started->call.hash,
+                      &started->call.state->channels, src, buf,
                       started->reduce);
         runner.SetInputPieces(std::move(*later));
         s = AdvanceToEnd(started->call, &runner);
@@ -1382,7 +1421,8 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
     return;
   }
   started->runner.reset(new Runner(started->call.spec, started->call.hash,
-                                   src, buf, started->reduce));
+                                   &started->call.state->channels, src, buf,
+                                   started->reduce));
   started->runner->SetInputPieces(std::move(pieces));
   if (started->runner->Advance(/*may_wait=*/false, &s)) {
     Finish(started->call, s, /*inline_path=*/true);

@@ -84,6 +84,10 @@ struct CollectiveSpec {
   std::string Hash() const;
   // "allreduce 'grads/bucket0' (ring, rank 0 of 2)".
   std::string Describe() const;
+  // Every field equal: a call of an instance with the spec of its last
+  // admitted call (each call of a traced function after its first) needs
+  // neither Validate nor Hash again. A new field must be compared there.
+  bool SameAs(const CollectiveSpec& other) const;
 };
 
 const char* KindName(CollectiveKind kind);

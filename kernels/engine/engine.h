@@ -479,7 +479,8 @@ class Engine {
   // the copy its call's writer filled.
   Status AcquireCopy(SendTicket* ticket,
                      const std::shared_ptr<Connection>& conn,
-                     const Deadline& deadline, const std::string& what);
+                     const Deadline& deadline,
+                     const std::function<std::string()>& what);
   bool MatchRecv(RecvTicket* ticket, bool take);
   Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
                       const std::shared_ptr<StallWait>& stall);

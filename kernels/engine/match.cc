@@ -55,7 +55,8 @@ namespace tf_rdma {
 
 Status Engine::AcquireCopy(SendTicket* ticket,
                            const std::shared_ptr<Connection>& conn,
-                           const Deadline& deadline, const std::string& what) {
+                           const Deadline& deadline,
+                           const std::function<std::string()>& what) {
   SendSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::vector<WordWatch> watch;
@@ -94,13 +95,14 @@ Status Engine::AcquireCopy(SendTicket* ticket,
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
       return DeadlineExceeded(
-          what + ": timed out after " + std::to_string(deadline.timeout_ms()) +
+          what() + ": timed out after " +
+          std::to_string(deadline.timeout_ms()) +
           " ms waiting for the receiver to release one of the slot's " +
           std::to_string(spec.depth) + " copies (the calls in flight hold " +
           "them)" + StallFacts(stall));
     }
     if (now >= next_check) {
-      TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(conn, what));
+      TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(conn, what()));
       next_check = now + std::chrono::milliseconds(kCheckEveryMs);
     }
     Clock::time_point until = std::min(deadline.at(), next_check);
@@ -177,7 +179,7 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   Region* memory = slot->region->memory.get();
-  std::string what = "tf_rdma recv of " + spec.Describe(ticket->call);
+  auto what = [&] { return "tf_rdma recv of " + spec.Describe(ticket->call); };
   std::vector<WordWatch> watch(spec.depth);
   Clock::time_point next_check =
       Clock::now() + std::chrono::milliseconds(kCheckEveryMs);
@@ -191,14 +193,14 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
     if (MatchRecv(ticket, /*take=*/false)) return Status::Ok();
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
-      return RecvTimedOut(slot, what,
+      return RecvTimedOut(slot, what(),
                           DeadlineExceeded("timed out after " +
                                            std::to_string(deadline.timeout_ms()) +
                                            " ms"),
                           stall);
     }
     if (now >= next_check) {
-      TF_RDMA_RETURN_IF_ERROR(RecvCheck(slot, what));
+      TF_RDMA_RETURN_IF_ERROR(RecvCheck(slot, what()));
       next_check = now + std::chrono::milliseconds(kCheckEveryMs);
     }
     if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()),

@@ -201,15 +201,16 @@ Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   if (spec.match_calls) return WaitForMatch(ticket, deadline, stall);
-  std::string what = "tf_rdma recv of " + spec.Describe(ticket->step);
+  // Built only for an error: every recv passes here.
+  auto what = [&] { return "tf_rdma recv of " + spec.Describe(ticket->step); };
   uint64_t copy = CopyOffset(spec, ticket->copy);
   Region* memory = slot->region->memory.get();
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
-                         [&] { return RecvCheck(slot, what); },
+                         [&] { return RecvCheck(slot, what()); },
                          ticket->spin_us);
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
-      return RecvTimedOut(slot, what, s, stall);
+      return RecvTimedOut(slot, what(), s, stall);
     }
     return s;
   }
@@ -221,11 +222,12 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   std::memcpy(meta, ticket->payload, sizeof(DynamicMeta));
-  std::string what = "tf_rdma recv of " +
-                     spec.Describe(spec.match_calls ? ticket->call
-                                                    : ticket->step);
+  auto what = [&] {
+    return "tf_rdma recv of " +
+           spec.Describe(spec.match_calls ? ticket->call : ticket->step);
+  };
   if (meta->rank > static_cast<uint64_t>(kMaxDynamicRank)) {
-    return InvalidArgument(what + ": the sender wrote rank " +
+    return InvalidArgument(what() + ": the sender wrote rank " +
                            std::to_string(meta->rank) + ", more than " +
                            std::to_string(kMaxDynamicRank));
   }
@@ -240,7 +242,7 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   }
   if (area == nullptr || area->peer != spec.peer ||
       area->plan_hash != spec.plan_hash) {
-    return Internal(what + ": payload area '" + name +
+    return Internal(what() + ": payload area '" + name +
                     "' of the sender's generation " +
                     std::to_string(meta->generation) +
                     " was never opened by " + spec.peer);
@@ -249,7 +251,7 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   uint64_t capacity =
       size > kDynamicHeaderBytes ? (size - kDynamicHeaderBytes) / spec.depth : 0;
   if (meta->nbytes > capacity) {
-    return InvalidArgument(what + ": " + std::to_string(meta->nbytes) +
+    return InvalidArgument(what() + ": " + std::to_string(meta->nbytes) +
                            " bytes do not fit the payload area '" + name +
                            "' of " + std::to_string(capacity) +
                            " bytes per copy");

@@ -366,8 +366,11 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
                         const DynamicMeta* dynamic) {
   SendSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
-  std::string what = "tf_rdma send of " +
-                     spec.Describe(spec.match_calls ? ticket.call : ticket.step);
+  // Built only for an error: every send passes here.
+  auto what = [&] {
+    return "tf_rdma send of " +
+           spec.Describe(spec.match_calls ? ticket.call : ticket.step);
+  };
   Deadline deadline(ticket.timeout_ms);
   SendBinding bound;
   CreditWaitEnd credit_wait(&stats_, spec.peer, &ticket.waiting_since,
@@ -377,8 +380,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   const std::shared_ptr<Connection>& conn = bound.conn;
   if (!s.ok()) {
     return s.code() == Code::kDeadlineExceeded
-               ? DeadlineExceeded(what + ": " + s.message())
-               : s.Prefixed(what);
+               ? DeadlineExceeded(what() + ": " + s.message())
+               : s.Prefixed(what());
   }
   // Traced: the credit wait, then the write (the call's id, the dynamic
   // payload and the data with its notice), as two phases.
@@ -416,7 +419,7 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
       stall = BeginStall(StallWait::kCredit, nullptr, slot, ticket.step, need);
     }
     s = WaitForWord(credit, need, deadline,
-                    [&] { return CheckPeerAlive(conn, what); });
+                    [&] { return CheckPeerAlive(conn, what()); });
     EndStall(stall);
     if (s.code() == Code::kDeadlineExceeded) {
       s = DeadlineExceeded(s.message() + " waiting for the receiver to "
@@ -429,7 +432,7 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   }
   if (!s.ok() && !spec.match_calls) {
     if (s.code() == Code::kDeadlineExceeded) {
-      return DeadlineExceeded(what + ": " + s.message());
+      return DeadlineExceeded(what() + ": " + s.message());
     }
     return s;
   }
@@ -467,10 +470,10 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
   if (!s.ok()) {
     if (conn->pair->broken()) CloseConnection(conn, s);
     if (s.code() == Code::kDeadlineExceeded) {
-      return DeadlineExceeded(what + ": " + s.message());
+      return DeadlineExceeded(what() + ": " + s.message());
     }
-    Status alive = CheckPeerAlive(conn, what);
-    if (alive.ok()) return s.Prefixed(what);
+    Status alive = CheckPeerAlive(conn, what());
+    if (alive.ok()) return s.Prefixed(what());
     // A peer that refuses a write (an RDMA access error) also closes the
     // connection, often before this side has read its own completion: the
     // write's failure names the cause, the closed connection only the
