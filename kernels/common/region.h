@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kernels/common/status.h"
+#include "kernels/common/wait.h"
 
 namespace tf_rdma {
 
@@ -66,6 +67,13 @@ class Region {
   // 8-byte alignment.
   std::atomic<uint64_t>* Word(uint64_t offset) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(data_ + offset);
+  }
+  // The sleepers' count of the notice word at `offset` (wait.h), or null
+  // where the region ends before it: a writer then always wakes.
+  std::atomic<uint32_t>* Sleepers(uint64_t offset) const {
+    return Contains(offset, kSleepersOffset + sizeof(uint32_t))
+               ? SleepersOf(Word(offset))
+               : nullptr;
   }
   // Removes the name from /dev/shm (owner only; the mapping stays valid).
   void Unlink();

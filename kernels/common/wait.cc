@@ -37,7 +37,8 @@ int64_t Deadline::RemainingMs() const {
 
 Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
                    const Deadline& deadline,
-                   const std::function<Status()>& check, int64_t spin_us) {
+                   const std::function<Status()>& check, int64_t spin_us,
+                   std::atomic<uint32_t>* sleepers) {
   for (int i = 0; i < kSpinIterations; ++i) {
     if (word->load(std::memory_order_acquire) >= target) return Status::Ok();
     CpuRelax();
@@ -74,13 +75,70 @@ Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
     struct timespec ts;
     ts.tv_sec = slice / 1000;
     ts.tv_nsec = (slice % 1000) * 1000000;
+    if (sleepers != nullptr) {
+      // Counted first, then the last look: a writer that stores after this
+      // look sees the count and wakes us (see wait.h).
+      sleepers->fetch_add(1, std::memory_order_seq_cst);
+      seen = word->load(std::memory_order_seq_cst);
+      if (seen >= target) {
+        sleepers->fetch_sub(1, std::memory_order_relaxed);
+        return Status::Ok();
+      }
+    }
     // Returns at once (EAGAIN) if the low half moved since `seen`.
     syscall(SYS_futex, LowHalf(word), FUTEX_WAIT,
             static_cast<uint32_t>(seen), &ts, nullptr, 0);
+    if (sleepers != nullptr) {
+      sleepers->fetch_sub(1, std::memory_order_relaxed);
+    }
   }
 }
 
+namespace {
+
+// WaitForAnyWord's counts: taken for every watched word that has one,
+// given back when the sleep ends. Taken() says whether every word still
+// holds its `seen` value after counting (else there is no need to sleep).
+class CountedSleep {
+ public:
+  CountedSleep(const WordWatch* words, int n) : words_(words), n_(n) {
+    for (int i = 0; i < n_; ++i) {
+      if (words_[i].sleepers != nullptr) {
+        words_[i].sleepers->fetch_add(1, std::memory_order_seq_cst);
+      }
+    }
+  }
+  ~CountedSleep() {
+    for (int i = 0; i < n_; ++i) {
+      if (words_[i].sleepers != nullptr) {
+        words_[i].sleepers->fetch_sub(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  bool Unmoved() const {
+    for (int i = 0; i < n_; ++i) {
+      if (words_[i].sleepers == nullptr) continue;
+      const auto* word =
+          static_cast<const std::atomic<uint64_t>*>(words_[i].word);
+      if (static_cast<uint32_t>(word->load(std::memory_order_seq_cst)) !=
+          words_[i].seen) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const WordWatch* words_;
+  int n_;
+};
+
+}  // namespace
+
 bool WaitForAnyWord(const WordWatch* words, int n, Clock::time_point until) {
+  if (n > kMaxWatchedWords) n = kMaxWatchedWords;
+  CountedSleep counted(words, n);
+  if (!counted.Unmoved()) return true;  // a watched word moved: no sleep
   if (n == 1) {  // a plain futex wait does, on every kernel
     auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(
                     until - Clock::now())
@@ -96,7 +154,6 @@ bool WaitForAnyWord(const WordWatch* words, int n, Clock::time_point until) {
   }
 #ifdef __NR_futex_waitv
   struct futex_waitv waiters[kMaxWatchedWords];
-  if (n > kMaxWatchedWords) n = kMaxWatchedWords;
   for (int i = 0; i < n; ++i) {
     waiters[i].val = words[i].seen;
     waiters[i].uaddr = reinterpret_cast<uintptr_t>(words[i].word);
@@ -127,12 +184,20 @@ void WakeLocalWord(std::atomic<uint32_t>* word) {
           INT_MAX, nullptr, nullptr, 0);
 }
 
-void PublishWord(std::atomic<uint64_t>* word, uint64_t value) {
+void PublishWord(std::atomic<uint64_t>* word, uint64_t value,
+                 const std::atomic<uint32_t>* sleepers) {
   word->store(value, std::memory_order_release);
-  WakeWord(word);
+  WakeWord(word, sleepers);
 }
 
-void WakeWord(std::atomic<uint64_t>* word) {
+void WakeWord(std::atomic<uint64_t>* word,
+              const std::atomic<uint32_t>* sleepers) {
+  if (sleepers != nullptr) {
+    // The store before the look at the count (a waiter counts itself
+    // before its last look at the word: see wait.h).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (sleepers->load(std::memory_order_relaxed) == 0) return;
+  }
   syscall(SYS_futex, LowHalf(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 

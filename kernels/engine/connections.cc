@@ -218,7 +218,7 @@ void Engine::HandleNotices(const std::shared_ptr<Connection>& conn) {
                           " of " + std::to_string(region->size()) + " bytes");
       break;
     }
-    PublishWord(region->Word(n.offset), n.seq);
+    PublishWord(region->Word(n.offset), n.seq, region->Sleepers(n.offset));
   }
   if (!s.ok()) {
     LogLimited("rejected notice from " + conn->peer + ": " + s.message());

@@ -67,6 +67,12 @@ constexpr uint64_t kCallWordOffset = 8;
 // Copies per slot at most (graph_passes/plan.py MAX_DEPTH).
 constexpr int64_t kMaxSlotDepth = 64;
 constexpr uint64_t kCreditLineBytes = 64;
+// A notice word's sleepers' count (wait.h) lies after the call word, inside
+// the slot header and the credit line.
+static_assert(kSleepersOffset >= kCallWordOffset + 8 &&
+                  kSleepersOffset + 4 <= kSlotHeaderBytes &&
+                  kSleepersOffset + 4 <= kCreditLineBytes,
+              "the sleepers' count must fit the header and the credit line");
 // The shortest job secret accepted (tf_rdma/settings.py MIN_SECRET_LENGTH).
 constexpr size_t kMinSecretBytes = 16;
 // A send polls the process's waiting recvs for this many times poll_us.

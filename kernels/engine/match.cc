@@ -83,8 +83,8 @@ Status Engine::AcquireCopy(SendTicket* ticket,
           ticket->step = ++slot->steps.claimed;
           return Status::Ok();
         }
-        watch.push_back(
-            WordWatch{credit, static_cast<uint32_t>(released), true});
+        watch.push_back(WordWatch{credit, static_cast<uint32_t>(released),
+                                  true, SleepersOf(credit)});
       }
     }
     // No copy is free: a credit wait (counted by SendStep, stats.h).
@@ -187,8 +187,8 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
     for (int64_t c = 0; c < spec.depth; ++c) {
       const std::atomic<uint64_t>* word = memory->Word(CopyOffset(spec, c));
       watch[c] = WordWatch{
-          word,
-          static_cast<uint32_t>(word->load(std::memory_order_acquire)), true};
+          word, static_cast<uint32_t>(word->load(std::memory_order_acquire)),
+          true, SleepersOf(word)};
     }
     if (MatchRecv(ticket, /*take=*/false)) return Status::Ok();
     Clock::time_point now = Clock::now();

@@ -321,7 +321,8 @@ void Engine::PollerLoop() {
       }
       for (const std::atomic<uint64_t>* word : p->words) {
         uint64_t v = word->load(std::memory_order_acquire);
-        watch.push_back(WordWatch{word, static_cast<uint32_t>(v), true});
+        watch.push_back(WordWatch{word, static_cast<uint32_t>(v), true,
+                                  SleepersOf(word)});
       }
       if (p->Landed()) landed = true;
       until = std::min(until, std::min(p->next_check, p->deadline.at()));

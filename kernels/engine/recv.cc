@@ -207,7 +207,7 @@ Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
   Region* memory = slot->region->memory.get();
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
                          [&] { return RecvCheck(slot, what()); },
-                         ticket->spin_us);
+                         ticket->spin_us, memory->Sleepers(copy));
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
       return RecvTimedOut(slot, what(), s, stall);

@@ -419,7 +419,8 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
       stall = BeginStall(StallWait::kCredit, nullptr, slot, ticket.step, need);
     }
     s = WaitForWord(credit, need, deadline,
-                    [&] { return CheckPeerAlive(conn, what()); });
+                    [&] { return CheckPeerAlive(conn, what()); },
+                    /*spin_us=*/0, SleepersOf(credit));
     EndStall(stall);
     if (s.code() == Code::kDeadlineExceeded) {
       s = DeadlineExceeded(s.message() + " waiting for the receiver to "

@@ -1863,6 +1863,71 @@ TEST(wait_for_word_woken_by_publish) {
   EXPECT_LT(ms, int64_t{10000});
 }
 
+// A notice word whose writer wakes only counted sleepers (wait.h): over many
+// rounds, the writer publishing at every moment of the waiter's way to sleep,
+// no wake-up is lost (a lost one costs a 50 ms slice), and the count is
+// taken while a waiter sleeps and given back after. The same for a
+// WaitForAnyWord over two such words.
+TEST(wait_wakes_only_counted_sleepers) {
+  struct alignas(64) Header {  // a slot header: word, call word, count
+    std::atomic<uint64_t> word{0};
+    uint64_t call = 0;
+    std::atomic<uint32_t> sleepers{0};
+  };
+  Header h[2];
+  EXPECT_TRUE(tf_rdma::SleepersOf(&h[0].word) == &h[0].sleepers);
+  for (int any = 0; any < 2; ++any) {
+    int64_t slowest_us = 0;
+    for (uint64_t round = 1; round <= 300; ++round) {
+      // Most rounds publish within µs (racing the waiter's count and its
+      // last look); every 10th waits until the waiter is counted asleep.
+      const int pauses = static_cast<int>((round * 7919) % 3000);
+      const bool after_sleep = round % 10 == 0;
+      // Each round's value differs in the low half (the futex's): steps do.
+      const uint64_t target = round;
+      std::thread publisher([&h, pauses, after_sleep, target, any] {
+        std::atomic<uint64_t>* word = &h[any].word;
+        if (after_sleep) {  // (at most 100 ms: a waiter never counted)
+          auto until = std::chrono::steady_clock::now() +
+                       std::chrono::milliseconds(100);
+          while (h[any].sleepers.load() == 0 &&
+                 std::chrono::steady_clock::now() < until) {
+            std::this_thread::yield();
+          }
+        } else {
+          for (int i = 0; i < pauses; ++i) tf_rdma::CpuRelax();
+        }
+        tf_rdma::PublishWord(word, target, tf_rdma::SleepersOf(word));
+      });
+      auto t0 = std::chrono::steady_clock::now();
+      if (any == 0) {
+        EXPECT_OK(tf_rdma::WaitForWord(&h[0].word, target, Deadline(5000),
+                                       nullptr, 0,
+                                       tf_rdma::SleepersOf(&h[0].word)));
+      } else {
+        while (h[1].word.load() < target) {
+          tf_rdma::WordWatch watch[2];
+          for (int w = 0; w < 2; ++w) {
+            watch[w] = tf_rdma::WordWatch{
+                &h[w].word, static_cast<uint32_t>(h[w].word.load()), true,
+                tf_rdma::SleepersOf(&h[w].word)};
+          }
+          tf_rdma::WaitForAnyWord(watch, 2,
+                                  std::chrono::steady_clock::now() +
+                                      std::chrono::seconds(5));
+        }
+      }
+      int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                       std::chrono::steady_clock::now() - t0)
+                       .count();
+      slowest_us = std::max(slowest_us, us);
+      publisher.join();
+      EXPECT_EQ(h[any].sleepers.load(), uint32_t{0});
+    }
+    EXPECT_LT(slowest_us, int64_t{40000});
+  }
+}
+
 // A wait asked to spin burns its CPU until the word moves (no sleep, so no
 // wake-up to pay); one that is not sleeps after a few µs, and a spin ends
 // after its budget even when the word never moves.

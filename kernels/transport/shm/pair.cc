@@ -38,7 +38,8 @@ Status Pair::Write(int handle, uint64_t offset, const void* src,
         " bytes");
   }
   if (nbytes > 0) std::memcpy(region->data() + offset, src, nbytes);
-  PublishWord(region->Word(notice_offset), seq);
+  PublishWord(region->Word(notice_offset), seq,
+              region->Sleepers(notice_offset));
   return Status::Ok();
 }
 

@@ -85,7 +85,7 @@ Status ApplyWrite(int fd, const FrameHeader& h, const RegionLookup& lookup,
   std::atomic<uint64_t>* word = region->Word(h.d);
   word->store(h.e, std::memory_order_release);
   if (landed) landed();
-  WakeWord(word);
+  WakeWord(word, region->Sleepers(h.d));
   return Status::Ok();
 }
 
