@@ -20,9 +20,11 @@ for dtype names). It must not import TensorFlow.
 # way (dst -> src) is a different pair with its own region.
 #
 # Inside a region each transfer owns a *slot*. A slot is a 64-byte *header*
-# (SLOT_HEADER_BYTES: the step number, length and flags the ops write, so the
-# receiver can tell that a complete, current tensor has landed) followed by
-# the raw tensor bytes. The header is exactly one cache line, so the payload
+# (SLOT_HEADER_BYTES: at byte 0 the sequence word the writer publishes last,
+# so the receiver can tell that a complete, current tensor has landed; at 8
+# the id of the call that wrote it; at 16 the receiver's count of threads
+# asleep on the sequence word, kernels/common/wait.h; the rest reserved)
+# followed by the raw tensor bytes. The header is exactly one cache line, so the payload
 # starts 64-byte aligned. The slot's *stride* is header + payload rounded up
 # to the plan's alignment.
 #
@@ -86,6 +88,9 @@ MAX_DYNAMIC_RANK = 29
 PAGE_BYTES = 4096
 #: Bytes of one credit line in the sender's credit region (one per slot copy).
 CREDIT_LINE_BYTES = 64
+#: Where a slot header and a credit line keep, after their word, the count of
+#: the owner's threads asleep on it (kernels/common/wait.h); no peer writes it.
+SLEEPERS_OFFSET = 16
 #: Version of the plan format; part of the hash and of the JSON form.
 FORMAT_VERSION = 1
 #: Largest allowed ``depth`` (number of copies of each slot).

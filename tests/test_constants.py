@@ -52,6 +52,7 @@ def cc_dtype_list(path, macro):
 @pytest.mark.parametrize("python_value,header,name", [
     (plan.SLOT_HEADER_BYTES, "kernels/engine/engine.h", "kSlotHeaderBytes"),
     (plan.CREDIT_LINE_BYTES, "kernels/engine/engine.h", "kCreditLineBytes"),
+    (plan.SLEEPERS_OFFSET, "kernels/common/wait.h", "kSleepersOffset"),
     (plan.MAX_DEPTH, "kernels/engine/engine.h", "kMaxSlotDepth"),
     (plan.DYNAMIC_META_BYTES, "kernels/engine/engine.h", "kDynamicMetaBytes"),
     (plan.PAGE_BYTES, "kernels/common/region.h", "kPageBytes"),

@@ -314,7 +314,7 @@ def test_slow_loris_is_capped_per_source_and_cut_at_the_deadline(ep):
         outcomes = [first_bytes_or_close(s, 5) for s in socks]
         decided_s = time.monotonic() - t0
         challenged = [s for s, (what, text) in zip(socks, outcomes)
-                      if what == "line" and text.startswith("TFRDMA/2 CHALLENGE ")]
+                      if what == "line" and text.startswith("TFRDMA/3 CHALLENGE ")]
         closed = [s for s, (what, _) in zip(socks, outcomes) if what == "closed"]
         assert (len(challenged), len(closed)) == (MAX_HANDSHAKES_PER_SOURCE, 4), outcomes
         assert decided_s < 5, decided_s
@@ -360,7 +360,7 @@ def test_handshakes_are_capped_at_64_across_sources(ep):
         kinds = [what for what, _ in outcomes]
         assert kinds.count("line") == MAX_HANDSHAKES, kinds
         assert kinds.count("closed") == len(socks) - MAX_HANDSHAKES, kinds
-        assert all(text.startswith("TFRDMA/2 CHALLENGE ")
+        assert all(text.startswith("TFRDMA/3 CHALLENGE ")
                    for what, text in outcomes if what == "line"), outcomes
         refused = int(ep.info()["refused_connections"]) - refused_before
         assert refused == len(socks) - MAX_HANDSHAKES, refused

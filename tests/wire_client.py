@@ -16,11 +16,31 @@ import struct
 
 import pytest
 
-VERSION = "TFRDMA/2"
+VERSION = "TFRDMA/3"
 MAGIC = 0x44524654
 OPEN_REQUEST, OPEN_REPLY, WRITE, ERROR, QUERY, QUERY_REPLY = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<IHH5Q")
 assert HEADER.size == 48
+
+
+def without_sleepers(data, slot, most=8):
+    """A region's bytes with the reader's own counts of sleepers zeroed.
+
+    A reader waiting on a copy of `slot` counts itself in that copy's header
+    (plan.SLEEPERS_OFFSET, kernels/common/wait.h): its own bytes, which no
+    peer writes. Checks that each count is small (at most `most`) and returns
+    a copy with them zeroed, so that "nothing was written" can be asserted
+    on the rest.
+    """
+    from tf_rdma.graph_passes import plan as plan_lib
+
+    out = bytearray(data)
+    for c in range(slot.depth):
+        at = slot.offset + c * slot.stride + plan_lib.SLEEPERS_OFFSET
+        count = int.from_bytes(out[at:at + 4], "little")
+        assert count <= most, f"copy {c} of {slot.key}: {count} sleepers"
+        out[at:at + 4] = bytes(4)
+    return bytes(out)
 
 
 def proof(secret, message):

@@ -1,7 +1,7 @@
 // Bootstrap handshake.
 //
 //   reader (accepts)                          writer (dials)
-//   "TFRDMA/2 CHALLENGE <nonce_r>"      ->
+//   "TFRDMA/3 CHALLENGE <nonce_r>"      ->
 //                                       <-  "HELLO <writer> <reader> <host id>
 //                                             <transports> <incarnation_w>
 //                                             <nonce_w> <proof_w>"
@@ -86,7 +86,9 @@ std::string RandomHex(size_t nbytes) {
 
 namespace {
 
-const char kHandshakeVersion[] = "TFRDMA/2";
+// 3: shm writers wake only sleepers counted beside the notice word (wait.h),
+// which a reader of version 2 never counts: the two must not share memory.
+const char kHandshakeVersion[] = "TFRDMA/3";
 constexpr int kMaxHandshakes = 64;
 constexpr int kMaxHandshakesPerSource = 16;
 constexpr int kLogBurst = 20;
