@@ -97,8 +97,9 @@ Status WaitForWord(const std::atomic<uint64_t>* word, uint64_t target,
 namespace {
 
 // WaitForAnyWord's counts: taken for every watched word that has one,
-// given back when the sleep ends. Taken() says whether every word still
-// holds its `seen` value after counting (else there is no need to sleep).
+// given back when the sleep ends. Unmoved() says whether every such word
+// still holds its `seen` value after counting (else there is no need to
+// sleep).
 class CountedSleep {
  public:
   CountedSleep(const WordWatch* words, int n) : words_(words), n_(n) {
