@@ -229,7 +229,7 @@ class _Rank:
         self.system = system
         self.doc = {"system": system, "rank": rank, "P": nranks,
                     "pid": os.getpid(), "info": {}, "times": {},
-                    "waits": {}, "starts": {}, "errors": {},
+                    "waits": {}, "starts": {}, "inside": {}, "errors": {},
                     "done": False}
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
@@ -246,7 +246,7 @@ class _Rank:
         base += np.float32(p * (p - 1) // 2)  # sum over ranks of rank
         return x, base  # the input and the expected sum
 
-    def run(self, variants_for_size, sync, expected_for=None, waited=None):
+    def run(self, variants_for_size, sync, expected_for=None, probe=None):
         """Times every variant at every size; saves the times.
 
         Args:
@@ -256,9 +256,13 @@ class _Rank:
           expected_for: ``(name, expected) -> array or None``: what the
             result of variant ``name`` must equal, given the sum
             (``expected``); None: not checked. Default: the sum.
-          waited: ``() -> seconds`` this process has waited for its peers
-            so far (tf_rdma's counters), read around each timed call and
-            saved per call next to its time; None: not recorded.
+          probe: ``() -> (seconds, last)``, read around each timed call
+            (tf_rdma's counters): the seconds this process has waited for
+            its peers so far, and the engine's last collective call
+            (``tf_rdma.stats()["last_collective"]``). Saved per call next
+            to its time: the wait's growth, and the call's admission and
+            end on the caller's clock where the last call changed during
+            the timed one. None: neither is recorded.
         """
         import numpy as np
         for size in self.args.sizes:
@@ -269,6 +273,7 @@ class _Rank:
             times = {name: [] for name in variants}
             waits = {name: [] for name in variants}
             starts = {name: [] for name in variants}
+            inside = {name: [] for name in variants}
 
             def error(name, message):
                 self.doc["errors"].setdefault(name, {})[str(size)] = message
@@ -281,11 +286,11 @@ class _Rank:
                 for name in list(variants):
                     try:
                         sync()
-                        w0 = waited() if waited else 0.0
+                        p0 = probe() if probe else None
                         t0 = time.perf_counter()
                         y = variants[name]()
                         dt = time.perf_counter() - t0
-                        w = waited() - w0 if waited else None
+                        p1 = probe() if probe else None
                     except Exception as err:  # noqa: BLE001 -- reported
                         # The op failed (the peers' calls fail too): the
                         # variant is dropped on this rank.
@@ -294,6 +299,7 @@ class _Rank:
                         times.pop(name)
                         waits.pop(name)
                         starts.pop(name)
+                        inside.pop(name)
                         continue
                     expected = expect[name]
                     if expected is not None and (
@@ -318,8 +324,11 @@ class _Rank:
                         # perf_counter is CLOCK_MONOTONIC on Linux: one
                         # clock for every process of the host.
                         starts[name].append(t0)
-                        if w is not None:
-                            waits[name].append(w)
+                        if p1 is not None:
+                            waits[name].append(p1[0] - p0[0])
+                            if p1[1] and p1[1] != p0[1]:
+                                inside[name].append(
+                                    [p1[1]["began"], p1[1]["ended"]])
             for name, ts in times.items():
                 self.doc["times"].setdefault(name, {})[str(size)] = ts
                 if waits[name]:
@@ -327,6 +336,9 @@ class _Rank:
                         waits[name]
                 self.doc["starts"].setdefault(name, {})[str(size)] = \
                     starts[name]
+                if len(inside[name]) == len(ts):
+                    self.doc["inside"].setdefault(name, {})[str(size)] = \
+                        inside[name]
             self.save()  # partial results survive a later timeout
             del variants, x, expected_sum, expect
         self.doc["done"] = True
@@ -418,11 +430,13 @@ def worker_tf_rdma(args):
             me.doc["info"]["auto_choice"] = f"unknown ({err})"
     me.save()
 
-    def waited():
-        total = tf_rdma.stats()["total"]
-        return total["data_wait_seconds"] + total["credit_wait_seconds"]
+    def probe():
+        stats = tf_rdma.stats()
+        total = stats["total"]
+        return (total["data_wait_seconds"] + total["credit_wait_seconds"],
+                stats["last_collective"])
 
-    me.run(variants_for_size, sync, expected_for, waited)
+    me.run(variants_for_size, sync, expected_for, probe)
 
 
 def worker_mwms(args):
@@ -755,6 +769,12 @@ def combine(docs, nranks):
             if all(starts):
                 extra["median_from_last_start_s"] = statistics.median(
                     _from_last_start(per_rank, starts))
+                inside = [d.get("inside", {}).get(name, {}).get(str(size))
+                          for d in docs]
+                if all(inside):
+                    split = _split_at_the_engine(per_rank, starts, inside)
+                    for part, values in zip(("in", "inside", "out"), split):
+                        extra[f"median_{part}_s"] = statistics.median(values)
             results.append(result_entry(
                 name, DISPATCH_OP if name == DISPATCH else OP, size, per_run,
                 nranks, rank0_median_s=statistics.median(
@@ -774,6 +794,31 @@ def _from_last_start(per_rank, starts):
     runs = min(len(t) for t in per_rank + starts)
     return [max(s[i] + t[i] for s, t in zip(starts, per_rank)) -
             max(s[i] for s in starts) for i in range(runs)]
+
+
+def _split_at_the_engine(per_rank, starts, inside):
+    """Per run, the time from the last rank's start in three parts.
+
+    ``in``: from the later rank's start to the later rank's admission by
+    the engine (TensorFlow's dispatch of the op, and the op's own work
+    before it reaches the engine); ``inside``: from there to the last
+    rank's finish (tf_rdma's exchange); ``out``: from there to the last
+    rank's end (the return through TensorFlow). The three add up to
+    :func:`_from_last_start`'s time. ``inside`` holds each call's
+    ``[began, ended]`` per rank (``tf_rdma.stats()["last_collective"]``,
+    on the clock of the starts).
+    """
+    runs = min(len(x) for x in per_rank + starts + inside)
+    parts = ([], [], [])
+    for i in range(runs):
+        start = max(s[i] for s in starts)
+        entry = max(x[i][0] for x in inside)
+        exit_ = max(x[i][1] for x in inside)
+        end = max(s[i] + t[i] for s, t in zip(starts, per_rank))
+        for part, value in zip(parts, (entry - start, exit_ - entry,
+                                       end - exit_)):
+            part.append(value)
+    return parts
 
 
 def _slowest_rank_waits(per_rank, waits):
@@ -1005,6 +1050,31 @@ def checks(results):
                           f"{human_time(own)} vs {OPENMPI} "
                           f"{human_time(late[OPENMPI])}, "
                           f"{_times(own / late[OPENMPI])} its time; ")
+            split = {system: {part: by[(system, size, nranks)].get(
+                         f"median_{part}_s") for part in ("in", "inside",
+                                                          "out")}
+                     for system in (name, DISPATCH)}
+            measured["split_s"] = split
+            if None not in split[name].values() and \
+                    None not in split[DISPATCH].values():
+                # tf_rdma's own part: the time inside the engine beyond
+                # the empty call's; the rest is TensorFlow's.
+                own = max(split[name]["inside"] - split[DISPATCH]["inside"],
+                          0.0)
+                rest = ((split[name]["in"] + split[name]["out"]) -
+                        (split[DISPATCH]["in"] + split[DISPATCH]["out"]))
+                bound += (f"inside the engine (the later rank's admission "
+                          f"to the last rank's finish): "
+                          f"{human_time(split[name]['inside'])} - the empty "
+                          f"call's {human_time(split[DISPATCH]['inside'])} "
+                          f"= {human_time(own)} vs {OPENMPI} "
+                          f"{human_time(mpi)}, {_times(own / mpi)} its time "
+                          f"({'within' if own <= mpi else 'over'} the "
+                          f"target); TensorFlow's part around the engine, "
+                          f"into the op and back (medians "
+                          f"{human_time(split[name]['in'])} + "
+                          f"{human_time(split[name]['out'])}), is "
+                          f"{human_time(rest)} more than the empty call's; ")
             bound += (f"the dispatch alone {human_time(dispatch)} is "
                       f"{_times(dispatch / mpi)} {OPENMPI}'s "
                       f"{human_time(mpi)} (not counted by the target)")

@@ -13,7 +13,10 @@ two stats() snapshots, and reports the snapshots' difference:
 - `held`: a depth-1 slot whose receiver holds step 1 for HOLD_S: the
   sender's step 2 makes one credit wait of about HOLD_S;
 - `dynamic`: a dynamic transfer of growing tensors: the tensors' bytes (not
-  the slot's meta) on both sides and one regrowth of the payload area.
+  the slot's meta) on both sides and one regrowth of the payload area;
+- `collective`: `last_collective` is None before the first collective call;
+  after two calls of one instance it names the second, admitted and ended
+  within the caller's own perf_counter readings around it.
 
 The pure-Python `difference` of two snapshots is checked on its own (fast).
 """
@@ -100,6 +103,16 @@ for n in DYNAMIC_SIZES:
         assert t.shape == [n], (t.shape, n)
         del t
 report("dynamic", before)
+
+# collective: the last call's admission and end, on the caller's clock.
+from tf_rdma import collectives as C
+first = tf_rdma.stats()["last_collective"]
+C.all_reduce(tf.ones([64]), name="last_call", algorithm="oneshot").numpy()
+t0 = time.perf_counter()
+C.all_reduce(tf.ones([64]), name="last_call", algorithm="oneshot").numpy()
+t1 = time.perf_counter()
+result({"scenario": "collective", "first": first, "t0": t0, "t1": t1,
+        "last": tf_rdma.stats()["last_collective"]})
 touch("done_" + me[-1])
 wait_file("done_" + peer[-1])
 """
@@ -133,6 +146,19 @@ def peer_counters(delta, peer, transport):
     by_transport = delta["peers"].get(peer, {})
     assert set(by_transport) == {transport}, (peer, delta["peers"])
     return by_transport[transport]
+
+
+def test_last_collective_is_timed_on_the_callers_clock(run):
+    _, out = run
+    for task in ("worker:0", "worker:1"):
+        reports = [r for r in out[task].results
+                   if r.get("scenario") == "collective"]
+        assert reports, out[task].describe()
+        r = reports[-1]
+        assert r["first"] is None, r
+        last = r["last"]
+        assert (last["instance"], last["call"]) == ("last_call", 2), last
+        assert r["t0"] <= last["began"] <= last["ended"] <= r["t1"], r
 
 
 def test_bytes_and_transfers_per_step_match_the_plan(run):

@@ -19,7 +19,8 @@ them with the command line (a subprocess, as a user would) and checks:
 
 One process with TF_RDMA_TIMELINE set measures the cost of an event with
 the timeline's sink (tfrdma_trace_bench) and finds them all in its file;
-one without it writes nothing and keeps tracing off. The merge logic (a
+with TF_RDMA_TIMELINE_EVENTS=ops it records the ops' events and none of
+their phases; one without it writes nothing and keeps tracing off. The merge logic (a
 path through a middle task, an unreachable task, a malformed or cut-short
 file) is checked on synthetic files (fast).
 """
@@ -281,6 +282,35 @@ def test_timeline_event_cost_and_file(tmp_path):
               and e["args"]["key"] == "bench/tensor:0"]
     assert len(writes) + info["dropped_events"] == res["n"], (len(writes), info["dropped_events"])
     assert len(writes) == res["n"], f"{info['dropped_events']} events dropped"
+
+
+OPS_ONLY = r"""
+from tf_rdma import _loader
+from tf_rdma import collectives as C
+start()
+_loader.load().c.tfrdma_trace_bench(1000)  # 1000 write phases
+for _ in range(3):
+    y = C.all_reduce(tf.ones([256]), name="solo", algorithm="ring")
+tf_rdma.server._endpoint.close()
+result({"sum": float(y.numpy().sum())})
+"""
+
+
+def test_timeline_of_ops_leaves_the_phases_out(tmp_path):
+    """TF_RDMA_TIMELINE_EVENTS=ops: the ops' events, none of their phases."""
+    tl_dir = tmp_path / "tl"
+    out = run_tasks({"worker:0": OPS_ONLY}, cluster=make_cluster(1),
+                    env={"TF_RDMA_TIMELINE": str(tl_dir),
+                         "TF_RDMA_TIMELINE_EVENTS": "ops"}, timeout=120)
+    res = out["worker:0"]
+    assert res.result["sum"] == 256.0, res.result
+    assert "without phases" in res.stderr, res.stderr
+    files = os.listdir(tl_dir)
+    assert len(files) == 1, files
+    names = [e["name"] for e in timeline.read(str(tl_dir / files[0]))["events"]]
+    assert names.count("tf_rdma.collective") == 3, names
+    assert "tf_rdma.write" not in names, sorted(set(names))
+    assert set(names) == {"tf_rdma.collective"}, sorted(set(names))
 
 
 UNSET = r"""

@@ -82,6 +82,14 @@ def stats():
         - ``collectives_inline``, ``collectives_handed_off`` (int): collective
           calls that completed on the op's own thread (a small oneshot
           collective whose peers were there) / on an engine thread.
+        - ``last_collective``: the last collective call of this process to
+          finish, ``{"instance": str, "call": int, "began": float, "ended":
+          float}``, or None before the first. ``began`` (the call was
+          admitted by the engine) and ``ended`` (it finished) are on the
+          clock of ``time.monotonic()`` and ``time.perf_counter()``, one
+          clock for every process of the host: with the caller's own time
+          around the call they split it into TensorFlow's part and
+          tf_rdma's (bench/allreduce.py does).
         - ``time`` (float): ``time.monotonic()`` when the counters were read.
 
         ``counters`` is a dict with the keys of :data:`COUNTERS`:
@@ -103,7 +111,13 @@ def stats():
         peers.setdefault(entry["peer"], {})[entry["transport"]] = counters
         _add(transports.setdefault(entry["transport"], _zero()), counters)
         _add(total, counters)
-    return {"task": raw["task"], "peers": peers, "transports": transports,
+    last = raw.get("last_collective")
+    if last is not None:
+        last = {"instance": last["instance"], "call": int(last["call"]),
+                "began": int(last["began_ns"]) / 1e9,
+                "ended": int(last["ended_ns"]) / 1e9}
+    return {"task": raw["task"], "last_collective": last,
+            "peers": peers, "transports": transports,
             "total": total,
             "credit_wait_busy_seconds": int(raw["credit_wait_busy_ns"]) / 1e9,
             "data_wait_busy_seconds": int(raw["data_wait_busy_ns"]) / 1e9,
@@ -122,8 +136,8 @@ def difference(after, before):
     Returns:
         A dict shaped like :func:`stats`'s, with each counter and busy time
         the growth between the snapshots (a peer or transport that is new in
-        ``after`` counts from zero), and ``elapsed_seconds`` (float) in place
-        of ``time``.
+        ``after`` counts from zero), ``elapsed_seconds`` (float) in place
+        of ``time``, and ``after``'s ``last_collective``.
 
     Raises:
         ValueError: ``before`` is not earlier than ``after`` (a counter or the
@@ -151,7 +165,9 @@ def difference(after, before):
                 counters, old, f"peers[{peer!r}][{transport!r}].")
     transports = {t: minus(c, before["transports"].get(t, {}), f"transports[{t!r}].")
                   for t, c in after["transports"].items()}
-    out = {"task": after["task"], "peers": peers, "transports": transports,
+    out = {"task": after["task"],
+           "last_collective": after.get("last_collective"),
+           "peers": peers, "transports": transports,
            "total": minus(after["total"], before["total"], "total."),
            "elapsed_seconds": elapsed}
     for key in PROCESS_KEYS:

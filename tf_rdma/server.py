@@ -194,6 +194,7 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
     timeline = settings.timeline_dir()
     if timeline:
         lines.append(f"timeline={timeline}")
+        lines.append(f"timeline_events={settings.timeline_events()}")
     lines += [f"peer={t} {a}" for t, a in sorted(addresses.items()) if t != task]
     with _endpoint_lock:
         if _endpoint is not None:

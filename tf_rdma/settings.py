@@ -176,6 +176,12 @@ SETTINGS = (
             "trace (Perfetto, chrome://tracing); `tf-rdma timeline merge` "
             "puts the tasks' files on one clock, `tf-rdma timeline plot` "
             "draws a Gantt chart (docs/observability.md); created if missing"),
+    Setting("TF_RDMA_TIMELINE_EVENTS", "all",
+            "what TF_RDMA_TIMELINE records: `all` (the ops and their phases) "
+            "or `ops` (only the sends', recvs' and collectives' own events: "
+            "about one event's cost per op instead of up to six, so an op's "
+            "time on the timeline stays close to its untraced time; "
+            "`explain(measured=True)` then shows no phases)"),
 )
 
 
@@ -276,6 +282,28 @@ def timeline_dir(value=None, env=None):
         raise ConfigError(f"TF_RDMA_TIMELINE={raw!r}: the directory {path} "
                           f"is not writable by this process")
     return path
+
+
+TIMELINE_EVENTS = ("all", "ops")
+
+
+def timeline_events(value=None, env=None):
+    """Returns what the timeline records: `value`, else TF_RDMA_TIMELINE_EVENTS.
+
+    Returns:
+        ``"all"`` (the default: ops and their phases) or ``"ops"``.
+
+    Raises:
+        ConfigError: The value is neither.
+    """
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_TIMELINE_EVENTS",
+                                                  "")
+    events = raw.strip().lower() or "all"
+    if events not in TIMELINE_EVENTS:
+        raise ConfigError(f"TF_RDMA_TIMELINE_EVENTS={raw!r} is not one of "
+                          f"{', '.join(TIMELINE_EVENTS)}")
+    return events
 
 
 def _number(variable, value, env, default, parse, valid, expected):

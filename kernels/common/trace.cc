@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 
 #include "kernels/common/recent.h"
@@ -32,6 +33,16 @@ std::atomic<int64_t (*)()> g_now{&RealtimeNs};
 std::atomic<void (*)(const Event&)> g_record{&Drop};
 // The tap (SetTap), or nullptr.
 std::atomic<void (*)(const Event&)> g_tap{nullptr};
+// SetPhases: false records the op events only.
+std::atomic<bool> g_phases{true};
+
+// By content: each library that includes trace.h has its own copy of the
+// names.
+bool IsOpEvent(const char* name) {
+  return name != nullptr &&
+         (std::strcmp(name, kSend) == 0 || std::strcmp(name, kRecv) == 0 ||
+          std::strcmp(name, kCollective) == 0);
+}
 
 // Install and SetTap: the sink's own word, and which word On() reads.
 // (Never destroyed: the engine's exit handler stops the timeline, and
@@ -82,8 +93,13 @@ int64_t NowNs() {
   return std::max<int64_t>(1, g_now.load(std::memory_order_relaxed)());
 }
 
+void SetPhases(bool on) { g_phases.store(on, std::memory_order_relaxed); }
+
 void Record(const Event& event) {
   if (event.start_ns == 0) return;
+  if (!g_phases.load(std::memory_order_relaxed) && !IsOpEvent(event.name)) {
+    return;
+  }
   internal::g_level.load(std::memory_order_acquire);
   g_record.load(std::memory_order_relaxed)(event);
   if (auto tap = g_tap.load(std::memory_order_relaxed)) tap(event);

@@ -157,6 +157,12 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
       c.stall_warning_ms = static_cast<int64_t>(v);
     } else if (key == "timeline") {
       c.timeline = value;
+    } else if (key == "timeline_events") {
+      if (value != "all" && value != "ops") {
+        return InvalidArgument("timeline_events '" + value +
+                               "' is not all or ops");
+      }
+      c.timeline_phases = value == "all";
     } else if (key == "peer") {
       size_t sp = value.find(' ');
       if (sp == std::string::npos) {

@@ -333,8 +333,25 @@ std::string Engine::Stats() {
     std::lock_guard<std::mutex> lock(mu_);
     task = config_.task;
   }
+  std::string last = "null";
+  {
+    std::lock_guard<std::mutex> lock(stall_mu_);
+    if (last_collective_ != nullptr) {
+      auto ns = [](Clock::time_point t) {
+        return std::to_string(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(
+                t.time_since_epoch())
+                .count());
+      };
+      last = "{\"instance\": " + JsonString(*last_collective_) +
+             ", \"call\": " + std::to_string(last_collective_call_) +
+             ", \"began_ns\": " + ns(last_collective_began_) +
+             ", \"ended_ns\": " + ns(last_collective_ended_) + "}";
+    }
+  }
   std::string counters = stats_.Json();  // "{...}"
-  return "{\"task\": " + JsonString(task) + ", " + counters.substr(1);
+  return "{\"task\": " + JsonString(task) + ", \"last_collective\": " +
+         last + ", " + counters.substr(1);
 }
 
 std::string Engine::HostId() const {

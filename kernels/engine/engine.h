@@ -143,6 +143,9 @@ struct EngineConfig {
   // TF_RDMA_TIMELINE: the directory this process's timeline file goes to
   // (kernels/common/timeline.h); empty: no timeline.
   std::string timeline;
+  // TF_RDMA_TIMELINE_EVENTS: false (ops) records the ops' events without
+  // their phases while the timeline runs (trace.h SetPhases).
+  bool timeline_phases = true;
 
   // Parses "key=value" lines; "peer=<task> <host:port>" may repeat.
   static Status Parse(const std::string& text, EngineConfig* out);
@@ -256,8 +259,10 @@ class Engine {
   // ({writer, reader, transport} per live connection) and regions ({id,
   // name, segment, bytes}, id = the region's index).
   std::string Info();
-  // The transfer counters as JSON (TransferStats::Json) with "task" added:
-  // tf_rdma.stats() (docs/observability.md).
+  // The transfer counters as JSON (TransferStats::Json) with "task" and
+  // "last_collective" ({instance, call, began_ns, ended_ns} on the
+  // monotonic clock, or null) added: tf_rdma.stats()
+  // (docs/observability.md).
   std::string Stats();
 
   // Send: ClaimSend in op order, then FinishSend (may block, bounded). A
@@ -627,7 +632,14 @@ class Engine {
     uint64_t completed = 0;  // calls finished (ok or not)
     uint64_t running = 0;    // the call in progress; 0: none
     bool failed = false;     // the last call failed
+    Clock::time_point began{};  // when `running` was admitted
   };
+  // The last collective call of this process to finish (Stats'
+  // last_collective): its instance (a key of collectives_; null before the
+  // first), its number and when it was admitted and finished.
+  const std::string* last_collective_ = nullptr;
+  uint64_t last_collective_call_ = 0;
+  Clock::time_point last_collective_began_{}, last_collective_ended_{};
   std::mutex stall_mu_;  // guards the fields below
   std::vector<std::shared_ptr<StallWait>> stalls_;
   std::condition_variable stall_cv_;  // the watchdog, asleep while none wait

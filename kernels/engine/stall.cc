@@ -103,8 +103,11 @@ std::string StepWord(const SlotSpec& spec, uint64_t step) {
 }  // namespace
 
 void Engine::CollectiveBegin(const std::string& instance, uint64_t call) {
+  const Clock::time_point now = Clock::now();
   std::lock_guard<std::mutex> lock(stall_mu_);
-  collectives_[instance].running = call;
+  CollectivePosition& c = collectives_[instance];
+  c.running = call;
+  c.began = now;
 }
 
 void Engine::CollectiveWaitsBegin(const std::string& instance,
@@ -124,8 +127,14 @@ void Engine::CountCollective(bool inline_path) {
 }
 
 void Engine::CollectiveEnd(const std::string& instance, bool ok) {
+  const Clock::time_point now = Clock::now();
   std::lock_guard<std::mutex> lock(stall_mu_);
-  CollectivePosition& c = collectives_[instance];
+  auto it = collectives_.emplace(instance, CollectivePosition()).first;
+  CollectivePosition& c = it->second;
+  last_collective_ = &it->first;
+  last_collective_call_ = c.running;
+  last_collective_began_ = c.began;
+  last_collective_ended_ = now;
   c.completed = std::max(c.completed, c.running);
   c.running = 0;
   c.failed = !ok;

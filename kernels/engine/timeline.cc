@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/common/timeline.h"
+#include "kernels/common/trace.h"
 #include "kernels/engine/engine.h"
 #include "kernels/engine/engine_internal.h"
 
@@ -24,6 +25,9 @@ constexpr int kTimelineSamples = 8;
 }  // namespace
 
 void Engine::StartTimeline() {
+  // Phases are left out only while a timeline of ops runs (a later
+  // endpoint of this process without one records them again).
+  trace::SetPhases(config_.timeline.empty() || config_.timeline_phases);
   if (config_.timeline.empty()) return;
   timeline::Clocks clocks;
   clocks.peers = [this] { return ConnectedPeers(); };
@@ -42,7 +46,9 @@ void Engine::StartTimeline() {
   std::string path;
   Status s = timeline::Start(config_.timeline, config_.task, clocks, &path);
   if (s.ok()) {
-    Log("timeline: writing every transfer's trace events to " + path);
+    Log(std::string("timeline: writing every transfer's trace events") +
+        (config_.timeline_phases ? "" : " (the ops', without phases)") +
+        " to " + path);
   } else {
     Log("timeline: not written: " + s.message());
   }
