@@ -1074,7 +1074,9 @@ def checks(results):
                           f"into the op and back (medians "
                           f"{human_time(split[name]['in'])} + "
                           f"{human_time(split[name]['out'])}), is "
-                          f"{human_time(rest)} more than the empty call's; ")
+                          f"{human_time(abs(rest))} "
+                          f"{'more' if rest >= 0 else 'less'} than the "
+                          f"empty call's; ")
             bound += (f"the dispatch alone {human_time(dispatch)} is "
                       f"{_times(dispatch / mpi)} {OPENMPI}'s "
                       f"{human_time(mpi)} (not counted by the target)")
