@@ -107,9 +107,8 @@ inline bool On() {
 // Whether the phases of a traced op are recorded (default) or only the op
 // events themselves (tf_rdma.send, tf_rdma.recv, tf_rdma.collective): the
 // timeline's TF_RDMA_TIMELINE_EVENTS=ops. Without phases a traced op costs
-// its own event plus two clock reads per phase, so the op's time on the
-// timeline is close to its untraced time (bench/allreduce.py measures
-// the time inside a small collective this way).
+// its own event plus two clock reads per phase, instead of up to six
+// events.
 void SetPhases(bool on);
 
 // The sink's clock, in ns (never 0); call it only for traced transfers.

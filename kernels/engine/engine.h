@@ -634,18 +634,18 @@ class Engine {
     bool failed = false;     // the last call failed
     Clock::time_point began{};  // when `running` was admitted
   };
-  // The last collective call of this process to finish (Stats'
-  // last_collective): its instance (a key of collectives_; null before the
-  // first), its number and when it was admitted and finished.
-  const std::string* last_collective_ = nullptr;
-  uint64_t last_collective_call_ = 0;
-  Clock::time_point last_collective_began_{}, last_collective_ended_{};
   std::mutex stall_mu_;  // guards the fields below
   std::vector<std::shared_ptr<StallWait>> stalls_;
   std::condition_variable stall_cv_;  // the watchdog, asleep while none wait
   bool watchdog_asleep_ = false;
   std::once_flag watchdog_once_;
   std::map<std::string, CollectivePosition> collectives_;
+  // The last collective call of this process to finish (Stats'
+  // last_collective): its instance (a key of collectives_; null before the
+  // first), its number and when it was admitted and finished.
+  const std::string* last_collective_ = nullptr;
+  uint64_t last_collective_call_ = 0;
+  Clock::time_point last_collective_began_{}, last_collective_ended_{};
 };
 
 }  // namespace tf_rdma

@@ -129,7 +129,7 @@ void Engine::CountCollective(bool inline_path) {
 void Engine::CollectiveEnd(const std::string& instance, bool ok) {
   const Clock::time_point now = Clock::now();
   std::lock_guard<std::mutex> lock(stall_mu_);
-  auto it = collectives_.emplace(instance, CollectivePosition()).first;
+  auto it = collectives_.try_emplace(instance).first;
   CollectivePosition& c = it->second;
   last_collective_ = &it->first;
   last_collective_call_ = c.running;
