@@ -48,6 +48,13 @@ Two views of a transfer are reported for every size:
     and recv are what a hop's two ops cost in this executor with nothing to
     wait for. The check line of the 4 KiB marginal hop prints them.
 
+``hop split`` (4 KiB, H >= 8, shm)
+    The same chain run once more in a cluster of its own whose servers
+    write a timeline of ops (``TF_RDMA_TIMELINE_EVENTS=ops``); each hop is
+    cut into the send op, the wait until the peer's recv completes and
+    TensorFlow's hand-off to the next send (``hop_split``). A missed 4 KiB
+    marginal-hop check prints it.
+
 The tf_rdma ops match by call (``match_calls=True``), as ``@tf_rdma.rewrite``
 makes them: each write also carries the call's step id, so that calls which
 overlap never take each other's tensors. ``--in-order`` measures the older
@@ -456,6 +463,40 @@ def run_cluster(transport, args, env=None):
     return out
 
 
+def traced_hop_split(args, chain):
+    """Runs the 4 KiB chain once more with a timeline of ops; its split.
+
+    A cluster of its own (the timeline is set when the servers start), so
+    that the untraced runs stay untraced. None where 4 KiB was not
+    measured with a chain of at least 8 hops, or the run failed.
+    """
+    import shutil
+    import tempfile
+
+    from tf_rdma import timeline
+
+    hops = chain.get(str(4 * KiB), {}).get("hops", 0)
+    if hops < 8:
+        return None
+    workdir = tempfile.mkdtemp(prefix="tf_rdma_p2p_timeline_")
+    try:
+        env = dict(child_env(), TF_RDMA_TIMELINE=workdir,
+                   TF_RDMA_TIMELINE_EVENTS="ops")
+        traced = argparse.Namespace(**vars(args))
+        traced.sizes, traced.no_grpc, traced.hops = [4 * KiB], True, hops
+        log("shm: the 4 KiB chain once more, traced (where the hops go)")
+        if run_cluster("shm", traced, env) is None:
+            return None
+        files = [timeline.read(path)
+                 for path in timeline.timeline_files([workdir])]
+        return hop_split(files, hops)
+    except timeline.TimelineError as err:
+        log(f"shm: no hop split: {err}")
+        return None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def print_tables(results, sizes):
     by = {(r["system"], r["op"], r["size_bytes"]): r for r in results}
     present = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
@@ -544,7 +585,97 @@ def print_marginal(marginals, sizes):
         print(f"  {human_size(size)}: " + ", ".join(cells) + ratio)
 
 
-def check_lines(results, marginals=(), hop_floor=()):
+def hop_split(files, hops):
+    """Where a chain's hops went, from the tasks' timelines of ops.
+
+    The chain of ``rdma_fn`` traced with ``TF_RDMA_TIMELINE_EVENTS=ops``:
+    hop i is ``tf_rdma.send`` of key ``hop<i>`` on task i % 2 and
+    ``tf_rdma.recv`` of the same key and call on the other task, whose
+    output is the input of hop i + 1's send there. Each hop is cut into
+    three parts, each a mean over every hop of every chain call:
+
+    - ``send_s``: the send op, from its claim to the end of its write;
+    - ``handoff_s``: from the recv's completion to the next send's claim on
+      the same task (one clock): TensorFlow's hand-off of the successor,
+      short when the recv completed on the thread that then runs the next
+      send (``same_thread``, the share of such hops, ``same_thread_s`` and
+      ``other_thread_s`` their hand-offs' means);
+    - ``wait_s``: from the send's end to the recv's completion on the
+      peer: the data's way and the peer's thread getting to it. The two
+      tasks' clocks differ, so it is what is left of a round trip on one
+      task (from hop i's send to hop i + 2's, one clock) after the two
+      sends and the two hand-offs, halved.
+
+    ``hop_s`` (the round trip halved) is their sum; ``hop_median_s`` its
+    median.
+
+    Args:
+      files: ``tf_rdma.timeline.read`` dicts of the two tasks' files.
+      hops: H of the chain.
+
+    Returns:
+      The dict above with ``hops`` (how many hops were measured), or None
+      if no whole chain call is in the files.
+    """
+    ev = {}
+    for f in files:
+        task = TASKS.index(f["task"]) if f["task"] in TASKS else None
+        if task is None:
+            continue
+        for e in f["events"]:
+            key = str(e.get("args", {}).get("key", ""))
+            if e.get("name") in ("tf_rdma.send", "tf_rdma.recv") and \
+                    key.startswith("hop") and key[3:].isdigit():
+                start = e["ts"] * 1e-6
+                ev[(task, e["name"], int(key[3:]), e["args"]["step"])] = (
+                    start, start + e["dur"] * 1e-6, e["tid"])
+    sends, trips, same, other = [], [], [], []
+    for step in sorted({k[3] for k in ev}):
+        for i in range(hops - 2):
+            here, there = i % 2, (i + 1) % 2
+            send = ev.get((here, "tf_rdma.send", i, step))
+            recv = ev.get((there, "tf_rdma.recv", i, step))
+            after = ev.get((there, "tf_rdma.send", i + 1, step))
+            back = ev.get((here, "tf_rdma.send", i + 2, step))
+            if not (send and recv and after and back):
+                continue  # not a chain call (the floor's, a single hop)
+            sends.append(send[1] - send[0])
+            (same if recv[2] == after[2] else other).append(after[0] - recv[1])
+            trips.append(back[0] - send[0])
+    if not trips:
+        return None
+    mean = statistics.mean
+    send, handoff = mean(sends), mean(same + other)
+    hop = mean(trips) / 2
+    return {"hops": len(trips), "hop_s": hop,
+            "hop_median_s": statistics.median(trips) / 2,
+            "send_s": send, "handoff_s": handoff,
+            "wait_s": hop - send - handoff,
+            "same_thread": len(same) / len(trips),
+            "same_thread_s": mean(same) if same else None,
+            "other_thread_s": mean(other) if other else None}
+
+
+def split_text(split):
+    """The check line's words for ``hop_split``'s dict."""
+    text = (f"where a traced run's hops went (TF_RDMA_TIMELINE_EVENTS=ops, "
+            f"means over {split['hops']} hops: {human_time(split['hop_s'])} "
+            f"a hop, median {human_time(split['hop_median_s'])}): the send "
+            f"op {human_time(split['send_s'])}, from its end to the recv's "
+            f"completion on the peer {human_time(split['wait_s'])}, from "
+            f"there to the next send {human_time(split['handoff_s'])} "
+            f"(TensorFlow's hand-off: {100 * split['same_thread']:.0f}% of "
+            f"the recvs completed on the thread that ran the next send")
+    if split["same_thread_s"] is not None:
+        text += f", {human_time(split['same_thread_s'])} after them"
+    if split["other_thread_s"] is not None:
+        text += (f"; the others, completed on another thread (the "
+                 f"poller's), "
+                 f"{human_time(split['other_thread_s'])}")
+    return text + ")"
+
+
+def check_lines(results, marginals=(), hop_floor=(), split=None):
     """The issue's targets, as printable lines (never asserted).
 
     The 4 KiB line also says what bounds it. A tf_rdma call costs its
@@ -558,7 +689,8 @@ def check_lines(results, marginals=(), hop_floor=()):
     10 us; its bound is the hop floor (``hop_floor``, measured by the client
     in the same run): a send op and a recv op whose data is already there,
     each the marginal op of a chain, so no hop of this executor can cost
-    less than the two.
+    less than the two. ``split`` (``hop_split``'s dict, from a traced run
+    of the same chain) says where a missed hop's time went.
     """
     by = {(r["system"], r["op"], r["size_bytes"]): r["median_s"]
           for r in results}
@@ -637,6 +769,8 @@ def check_lines(results, marginals=(), hop_floor=()):
                 line += (f", so {human_time(m - both)} of the hop is its "
                          f"wait for the data and the hand-offs between "
                          f"threads")
+        if split and not ok:
+            line += "; " + split_text(split)
         lines.append(line)
     return lines
 
@@ -734,7 +868,8 @@ def orchestrate(args):
     print()
     hop_floor = [f for out in clients.values()
                  for f in out.get("hop_floor", [])]
-    for line in check_lines(results, marginals, hop_floor):
+    split = traced_hop_split(args, chain) if "shm" in clients else None
+    for line in check_lines(results, marginals, hop_floor, split):
         print("check: " + line)
     for line in emulated_lines(emulated, None):
         print(line)
@@ -756,7 +891,8 @@ def orchestrate(args):
                   **run.timing()}
         write_json(args.json, run.document(config, results,
                                            marginal_hops=marginals,
-                                           hop_floor=hop_floor))
+                                           hop_floor=hop_floor,
+                                           hop_split=split))
         print(f"wrote {args.json}")
     if failed:
         print(f"FAILED: the {', '.join(failed)} cluster run(s) gave no "

@@ -108,6 +108,68 @@ def test_the_hop_target_is_bounded_by_the_hop_floor(p2p):
     assert line.endswith("(target <= 10.0 us): met")
 
 
+def _timeline(task, events):
+    """A tf_rdma.timeline.read dict: events (name, key, step, ts_us, dur_us,
+    tid)."""
+    return {"task": task, "events": [
+        {"ph": "X", "name": "tf_rdma." + name, "ts": ts, "dur": dur,
+         "tid": tid, "args": {"key": key, "step": step}}
+        for name, key, step, ts, dur, tid in events]}
+
+
+def test_hop_split_cuts_each_hop_on_one_clock_per_task(p2p):
+    # A chain of H = 4 (hops 0 and 1 measured: each needs hop i + 2's send)
+    # in call 7. Task 0's clock is 1000 us ahead of task 1's: only
+    # differences on one task count. Hop 0: task 0 sends at 0 (2 us), task
+    # 1's recv completes at 5 (its thread 11) and its send of hop 1 starts
+    # at 6 on thread 11: hand-off 1 us. Hop 1: task 1 sends at 6 (3 us),
+    # task 0's recv completes at 1012 on the poller (thread 99), hop 2's
+    # send starts at 1020 on thread 10: hand-off 8 us. Round trips: hop 0
+    # 0 -> 1020 on task 0 (20 us), hop 1 6 -> 16 on task 1 (10 us).
+    t0 = _timeline("/job:worker/task:0", [
+        ("send", "hop0", 7, 1000, 2, 10), ("recv", "hop1", 7, 1004, 8, 99),
+        ("send", "hop2", 7, 1020, 4, 10), ("recv", "hop3", 7, 1025, 1, 10),
+        # The floor's chain (another call): all sends on task 0, skipped.
+        ("send", "hop0", 8, 2000, 1, 10), ("send", "hop1", 8, 2001, 1, 10),
+        ("send", "hop2", 8, 2002, 1, 10)])
+    t1 = _timeline("/job:worker/task:1", [
+        ("recv", "hop0", 7, 0, 5, 11), ("send", "hop1", 7, 6, 3, 11),
+        ("recv", "hop2", 7, 14, 1, 11), ("send", "hop3", 7, 16, 2, 11),
+        ("recv", "hop0", 8, 3000, 1, 11), ("recv", "hop1", 8, 3001, 1, 11)])
+    split = p2p.hop_split([t0, t1], 4)
+    assert split["hops"] == 2
+    assert split["hop_s"] == pytest.approx(7.5e-6)  # (20 + 10) / 2 / 2
+    assert split["send_s"] == pytest.approx(2.5e-6)  # (2 + 3) / 2
+    assert split["handoff_s"] == pytest.approx(4.5e-6)  # (1 + 8) / 2
+    assert split["wait_s"] == pytest.approx(0.5e-6)
+    assert split["same_thread"] == 0.5
+    assert split["same_thread_s"] == pytest.approx(1e-6)
+    assert split["other_thread_s"] == pytest.approx(8e-6)
+    # No whole chain call: no split.
+    assert p2p.hop_split([t0], 4) is None
+
+
+def test_a_missed_hop_says_where_its_time_went(p2p):
+    marginals = [{"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 64,
+                  "marginal_hop_s": 25e-6}]
+    split = {"hops": 620, "hop_s": 24e-6, "hop_median_s": 6e-6,
+             "send_s": 5e-6, "wait_s": 7e-6, "handoff_s": 12e-6,
+             "same_thread": 0.9, "same_thread_s": 6e-6,
+             "other_thread_s": 66e-6}
+    (line,) = p2p.check_lines([], marginals, (), split)
+    assert line.endswith(
+        "MISSED; where a traced run's hops went (TF_RDMA_TIMELINE_EVENTS=ops, "
+        "means over 620 hops: 24.0 us a hop, median 6.0 us): the send op "
+        "5.0 us, from its end to the recv's completion on the peer 7.0 us, "
+        "from there to the next send 12.0 us (TensorFlow's hand-off: 90% of "
+        "the recvs completed on the thread that ran the next send, 6.0 us "
+        "after them; the others, completed on another thread (the "
+        "poller's), 66.0 us)")
+    fast = [dict(marginals[0], marginal_hop_s=9e-6)]
+    (line,) = p2p.check_lines([], fast, (), split)
+    assert line.endswith("(target <= 10.0 us): met")
+
+
 def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
     fast = [entry("grpc", "p2p", 64 * MiB, 100e-3),
             entry("tf_rdma-shm", "p2p", 64 * MiB, 10e-3),
