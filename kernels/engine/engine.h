@@ -521,11 +521,15 @@ class Engine {
   // The poller (poller.cc).
   struct PendingRecv;
   void PollerLoop();
-  void RingPoller();
+  void RingPoller();  // news for the poller: bumps its bell, wakes it
+  void WakePoller();  // wakes it if asleep (the bell already bumped)
   // Completes `p` with `s` unless another thread already did; true if this
   // call did.
   bool TakePending(const std::shared_ptr<PendingRecv>& p, const Status& s);
-  bool HelpRecvsFor(int64_t budget_us);  // HelpRecvs' loop
+  // HelpRecvs' loop: completed a recv, found none within the budget, or
+  // gave the thread back for a recv that has not started (poller.cc).
+  enum class Helped { kYes, kNo, kGaveBack };
+  Helped HelpRecvsFor(int64_t budget_us);
   // One look at the waiting recvs, on the thread that just published a
   // word (a tcp connection's reader): completes those whose data landed.
   void CompleteLandedRecvs();
@@ -587,6 +591,10 @@ class Engine {
   // for all the slots they hold, however many of those bind at the same time.
   std::map<std::string, std::unique_ptr<SendRegion>> send_regions_;
   std::map<std::string, std::unique_ptr<RecvSlot>> recv_slots_;
+  // The same slots in the order they were made (under mu_; never removed),
+  // and how many there are, for helping sends' copies (HelpRecvsFor).
+  std::vector<RecvSlot*> recv_slot_list_;
+  std::atomic<uint32_t> recv_slots_made_{0};
   // Regions each writer task's OPENs created (under mu_): the limit is per
   // task, for the life of the process, since regions are never freed.
   std::map<std::string, int> regions_opened_by_;
@@ -618,10 +626,17 @@ class Engine {
   std::atomic<int> helpers_{0};  // sends in HelpRecvsFor now
   std::atomic<uint32_t> poller_bell_{0};  // bumped on news; a futex word
   std::atomic<bool> poller_asleep_{false};
+  // Waits were added while sends helped, without waking the poller: the
+  // last helper to stop wakes it (WaitRecvAsync, HelpRecvsFor).
+  std::atomic<bool> poller_owed_{false};
+  // When a HelpRecvsFor last completed a recv or gave its thread back to
+  // one (steady clock, ns since its epoch); 0 after one that found none.
+  // The poller steps aside after a success (PollerLoop).
+  std::atomic<int64_t> helped_at_ns_{0};
+  std::atomic<bool> poller_aside_{false};  // asleep on its bell only
   std::atomic<bool> poller_recheck_{false};  // a connection went away
   bool have_waitv_ = true;                   // poller thread only
   std::atomic<int> help_misses_{0};   // HelpRecvs in a row that found nothing
-  std::atomic<uint32_t> help_calls_{0};
 
   // The transfer counters (stats.h).
   TransferStats stats_;

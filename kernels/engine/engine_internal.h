@@ -146,6 +146,9 @@ struct RecvSlot {
   // Inline polls in a row that missed their data, and polls (PollRecv).
   std::atomic<int> poll_misses{0};
   std::atomic<uint32_t> polls{0};
+  // Waits of this slot's recvs with the poller now (WaitRecvAsync until
+  // TakePending): none while data lands means its recv has not started.
+  std::atomic<int> waits{0};
   // match_calls, under mu (MatchRecv): per copy, the step last taken, and
   // the step first seen untaken with when it was seen; the calls whose
   // recv failed, whose copies are dropped when they land.
@@ -186,6 +189,9 @@ struct StallWait {
 };
 
 constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
+// How long the poller stays aside after a helping send completed a recv
+// (poller.cc): longer than the gap between one hop's help and the next's.
+constexpr int64_t kAsideUs = 100;
 // Requests given up on whose late replies a connection still drops
 // (Connection::abandoned).
 constexpr size_t kMaxAbandonedRequests = 256;

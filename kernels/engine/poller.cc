@@ -43,11 +43,50 @@
 //   them to a send spinning in HelpRecvsFor (`helpers_`), whose thread runs
 //   the successors without waking anyone.
 //
+//
+// Keeping the poller out of a helped hop. With both in place, a traced chain
+// (TF_RDMA_TIMELINE_EVENTS=ops) still spent most of its time in three
+// places, each a wake-up or a spin on two vCPUs shared by two tasks:
+//
+// - *The poller woke for every hop.* It counts itself on the words it
+//   watches, so the peer's write woke it even where a helping send took the
+//   data; it then slept again on up to 64 words (match_calls watches every
+//   copy), tens of microseconds of the receiving task's core per hop: the
+//   hops into one task took ~25 us, those out of it ~5 us. So while a send
+//   helps, or one completed a recv within the last kAsideUs, the poller
+//   *steps aside*: it sleeps on its bell only, for at most kAsideUs, and
+//   counts itself on no data word. A help that finds nothing ends that at
+//   once (it wakes the poller); otherwise a wait no helper takes is
+//   completed at most kAsideUs after its data landed.
+// - *It woke for every new wait.* A chain call's 32 recvs on a task woke it
+//   32 times, each time to sleep again on all the words so far. A new wait
+//   registered while a send helps wakes it no more: the helper sees the
+//   wait (it rereads the waits when the bell moves) and the last helper to
+//   stop wakes the poller once for all of them (`poller_owed_`).
+// - *Helpers spun for recvs that had not started.* TensorFlow starts a
+//   chain call's recvs while the chain runs; an answer for a recv whose op
+//   was still queued, often behind the helping thread itself, landed where
+//   nobody waited and the helper spun out its 200 us. A helper now also
+//   watches the data words of every recv slot: data landing where no wait
+//   is registered gives the thread back to TensorFlow at once.
+//   And a helper that keeps missing halves its budget with every miss (to
+//   an eighth) instead of helping only every 8th time: the same spinning on
+//   average, but a chain whose first hops missed (its peer was starting)
+//   no longer runs its next hops through the poller.
+//
+// Together (bench/p2p.py, 4 KiB, H = 64, shm, 2-vCPU VM, 9 runs each,
+// alternating with the previous engine): the marginal hop went from
+// 19.3-32.6 us (median 28.4) to 11.1-20.1 us (median 17.5); in traced runs
+// the chain itself (first send to last) from ~1.3-1.5 ms to ~0.6-0.7 ms.
+//
 // A wait is completed exactly once: whoever sets `taken` first (a helping
 // send, a tcp reader, the poller, an engine thread) runs `done`; the others
 // drop it.
 // Cost: a send with recvs waiting in its process holds its inter-op thread
 // for up to 200 us when no answer comes (never when poll_us is 0), and
+// reads the data words of every recv slot of the process (depth per slot)
+// when it starts and about every 4 us while it spins; a wait that no
+// helper takes may be completed up to kAsideUs after its data landed; and
 // `done` runs on whichever thread completes the wait, so it must be short
 // (TensorFlow's only queues the successors). Sends that wait for a credit
 // still use engine threads: in practice their credit is already there.
@@ -68,6 +107,15 @@
 #include "kernels/engine/engine_internal.h"
 
 namespace tf_rdma {
+namespace {
+
+int64_t NanosSinceEpoch(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             t.time_since_epoch())
+      .count();
+}
+
+}  // namespace
 
 struct Engine::PendingRecv {
   Engine* engine;
@@ -120,18 +168,36 @@ void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
       PollerLoop();
     }).detach();
   });
+  ticket.slot->waits.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(poller_mu_);
     waiting_.push_back(p);
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
-  RingPoller();
+  // A send spinning in HelpRecvsFor watches the new wait from its next
+  // round on (it rereads the waits when the bell moves); the poller is
+  // woken for it when the last such send stops (HelpRecvsFor), once for
+  // all the waits that came meanwhile. Starting the 32 recvs of a chain
+  // call woke the poller 32 times, each time to sleep again on up to 64
+  // words: most of the call's first hops (bench/p2p.py, 2 vCPUs).
+  poller_bell_.fetch_add(1, std::memory_order_seq_cst);
+  if (helpers_.load(std::memory_order_seq_cst) > 0) {
+    // Either a helper still spinning after this store sees it when it
+    // stops, or this thread sees that none is left and wakes the poller.
+    poller_owed_.store(true, std::memory_order_seq_cst);
+    if (helpers_.load(std::memory_order_seq_cst) > 0) return;
+  }
+  WakePoller();
 }
 
 void Engine::RingPoller() {
+  poller_bell_.fetch_add(1, std::memory_order_seq_cst);
+  WakePoller();
+}
+
+void Engine::WakePoller() {
   // Pairs with the poller's store of poller_asleep_ then load of the bell:
   // either it sees the new bell value, or we see it asleep and wake it.
-  poller_bell_.fetch_add(1, std::memory_order_seq_cst);
   if (poller_asleep_.load(std::memory_order_seq_cst)) {
     WakeLocalWord(&poller_bell_);
   }
@@ -152,6 +218,7 @@ bool Engine::TakePending(const std::shared_ptr<PendingRecv>& p,
     if (it != waiting_.end()) waiting_.erase(it);
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
   }
+  ticket.slot->waits.fetch_sub(1, std::memory_order_relaxed);
   EndStall(p->stall);
   if (s.ok()) {
     TraceDataWait(ticket);
@@ -169,27 +236,79 @@ bool Engine::HelpRecvs() {
   if (budget_us <= 0) return false;
   // When helping keeps missing (answers come later than the budget, or the
   // cores are busy with other work, where spinning only delays the peer),
-  // help only every 8th time, to notice when that changes.
+  // the budget halves with every miss in a row, down to an eighth: the
+  // same spinning per send on average as helping every 8th time with the
+  // whole budget, but a send whose answer comes soon still gets it (a
+  // chain whose first hops missed while its peer started).
   int misses = help_misses_.load(std::memory_order_relaxed);
-  if (misses >= 2 && help_calls_.fetch_add(1, std::memory_order_relaxed) % 8) {
-    return false;
-  }
-  bool helped = HelpRecvsFor(budget_us);
-  if (helped) {
+  budget_us >>= std::min(misses, 3);
+  Helped helped = HelpRecvsFor(budget_us);
+  if (helped == Helped::kYes) {
     help_misses_.store(0, std::memory_order_relaxed);
-  } else {
+  } else if (helped == Helped::kNo) {
     help_misses_.fetch_add(1, std::memory_order_relaxed);
   }
-  return helped;
+  return helped == Helped::kYes;
 }
 
-bool Engine::HelpRecvsFor(int64_t budget_us) {
+Engine::Helped Engine::HelpRecvsFor(int64_t budget_us) {
   Clock::time_point until = Clock::now() + std::chrono::microseconds(budget_us);
-  helpers_.fetch_add(1, std::memory_order_relaxed);
+  helpers_.fetch_add(1, std::memory_order_seq_cst);
   struct Done {
-    std::atomic<int>* helpers;
-    ~Done() { helpers->fetch_sub(1, std::memory_order_relaxed); }
-  } done{&helpers_};
+    Engine* engine;
+    bool helped = false;  // or gave the thread back (a chain goes on)
+    ~Done() {
+      engine->helpers_.fetch_sub(1, std::memory_order_seq_cst);
+      if (helped) {
+        engine->helped_at_ns_.store(NanosSinceEpoch(Clock::now()),
+                                    std::memory_order_relaxed);
+      } else {
+        // Answers come later than a help: the poller watches the data
+        // words again from now on.
+        engine->helped_at_ns_.store(0, std::memory_order_seq_cst);
+        if (engine->poller_aside_.load(std::memory_order_seq_cst)) {
+          engine->poller_owed_.store(true, std::memory_order_seq_cst);
+        }
+      }
+      // Waits that came while this send helped have not been shown to the
+      // poller yet (WaitRecvAsync): if so, wake it now.
+      if (engine->poller_owed_.load(std::memory_order_seq_cst) &&
+          engine->poller_owed_.exchange(false, std::memory_order_seq_cst)) {
+        engine->WakePoller();
+      }
+    }
+  } done{this};
+  // The data words of every recv slot of the process, and what they held
+  // when this help began or last moved with a wait there. Data that lands
+  // where no recv waits is for a recv whose op TensorFlow has not started,
+  // likely queued behind this very thread (a chain call's recvs start while
+  // the chain runs): the thread is given back at once instead of spinning
+  // out its budget.
+  struct Word {
+    const std::atomic<uint64_t>* word;
+    uint64_t seen;
+    RecvSlot* slot;
+  };
+  thread_local std::vector<Word> words;
+  words.clear();
+  {
+    thread_local std::vector<RecvSlot*> slots;
+    thread_local Engine* slots_of = nullptr;
+    uint32_t made = recv_slots_made_.load(std::memory_order_acquire);
+    if (slots_of != this || slots.size() != made) {
+      std::lock_guard<std::mutex> lock(mu_);
+      slots = recv_slot_list_;
+      slots_of = this;
+    }
+    for (RecvSlot* slot : slots) {
+      Region* memory = slot->region->memory.get();
+      for (int64_t c = 0; c < slot->spec.depth; ++c) {
+        const std::atomic<uint64_t>* word =
+            memory->Word(CopyOffset(slot->spec, c));
+        words.push_back({word, word->load(std::memory_order_acquire), slot});
+      }
+    }
+  }
   std::vector<std::shared_ptr<PendingRecv>> mine;
   uint32_t seen = ~0u;
   for (int round = 0;; ++round) {
@@ -198,17 +317,29 @@ bool Engine::HelpRecvsFor(int64_t budget_us) {
       seen = bell;
       std::lock_guard<std::mutex> lock(poller_mu_);
       mine = waiting_;
-      if (mine.empty()) return false;
+      if (mine.empty()) return Helped::kNo;
     }
     for (const auto& p : mine) {
       if (!p->taken.load(std::memory_order_relaxed) && p->Landed() &&
           TakePending(p, Status::Ok())) {
-        return true;
+        done.helped = true;
+        return Helped::kYes;
       }
     }
     for (int i = 0; i < 16; ++i) CpuRelax();
+    if ((round & 3) == 3) {
+      for (Word& w : words) {
+        uint64_t now = w.word->load(std::memory_order_acquire);
+        if (now == w.seen) continue;
+        if (w.slot->waits.load(std::memory_order_relaxed) == 0) {
+          done.helped = true;
+          return Helped::kGaveBack;
+        }
+        w.seen = now;
+      }
+    }
     if ((round & 15) == 15) {
-      if (Clock::now() >= until) return false;
+      if (Clock::now() >= until) return Helped::kNo;
       // Every ~15 us: let a thread that is ready on this core run (on a
       // busy machine it may be the one that has to answer).
       if ((round & 31) == 31) sched_yield();
@@ -238,6 +369,8 @@ void Engine::PollerLoop() {
   std::vector<WordWatch> watch;
   uint32_t bell_seen = 0;
   while (true) {
+    // This cycle reads every wait there is: none is owed to it any more.
+    poller_owed_.store(false, std::memory_order_seq_cst);
     bell_seen = poller_bell_.load(std::memory_order_acquire);
     {
       std::lock_guard<std::mutex> lock(poller_mu_);
@@ -299,6 +432,17 @@ void Engine::PollerLoop() {
     // Sleep until a watched word moves, news, or the next check is due.
     // Waits beyond what one futex_waitv takes go to engine threads.
     Clock::time_point until = now + std::chrono::seconds(10);
+    // While sends help, or one completed a recv within the last
+    // kAsideUs, the poller steps aside: it sleeps on its bell only, for at
+    // most kAsideUs, and does not count itself on the data words, so a
+    // peer's write does not wake it (see the essay above).
+    const int64_t aside_us = config_.poll_us > 0 ? kAsideUs : 0;
+    const bool aside =
+        aside_us > 0 &&
+        (helpers_.load(std::memory_order_seq_cst) > 0 ||
+         NanosSinceEpoch(now) - helped_at_ns_.load(std::memory_order_relaxed) <
+             aside_us * 1000);
+    if (aside) until = now + std::chrono::microseconds(aside_us);
     watch.clear();
     watch.push_back(WordWatch{&poller_bell_, bell_seen, false});
     bool landed = false;
@@ -320,6 +464,7 @@ void Engine::PollerLoop() {
         continue;
       }
       for (const std::atomic<uint64_t>* word : p->words) {
+        if (aside) break;
         uint64_t v = word->load(std::memory_order_acquire);
         watch.push_back(WordWatch{word, static_cast<uint32_t>(v), true,
                                   SleepersOf(word)});
@@ -329,6 +474,11 @@ void Engine::PollerLoop() {
     }
     if (landed) continue;
     pending.clear();  // drop references while asleep
+    poller_aside_.store(aside, std::memory_order_seq_cst);
+    if (aside && helpers_.load(std::memory_order_seq_cst) == 0 &&
+        helped_at_ns_.load(std::memory_order_seq_cst) == 0) {
+      continue;  // a help just failed: watch the words again
+    }
     poller_asleep_.store(true, std::memory_order_seq_cst);
     if (poller_bell_.load(std::memory_order_seq_cst) == bell_seen) {
       if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()),
@@ -337,6 +487,7 @@ void Engine::PollerLoop() {
       }
     }
     poller_asleep_.store(false, std::memory_order_relaxed);
+    poller_aside_.store(false, std::memory_order_relaxed);
   }
 }
 

@@ -34,6 +34,8 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
       entry.reset(new RecvSlot());
       entry->spec = spec;
       entry->region = region;
+      recv_slot_list_.push_back(entry.get());
+      recv_slots_made_.fetch_add(1, std::memory_order_release);
       if (spec.match_calls) {
         entry->taken.assign(spec.depth, 0);
         entry->seen_step.assign(spec.depth, 0);
