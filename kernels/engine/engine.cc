@@ -338,10 +338,7 @@ std::string Engine::Stats() {
     std::lock_guard<std::mutex> lock(stall_mu_);
     if (last_collective_ != nullptr) {
       auto ns = [](Clock::time_point t) {
-        return std::to_string(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(
-                t.time_since_epoch())
-                .count());
+        return std::to_string(NanosSinceEpoch(t));
       };
       last = "{\"instance\": " + JsonString(*last_collective_) +
              ", \"call\": " + std::to_string(last_collective_call_) +

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -187,6 +188,14 @@ struct StallWait {
   std::string learnt;      // "which ..." as the peer last answered
   Clock::time_point learnt_at{};
 };
+
+// A steady clock reading as ns since its epoch: CLOCK_MONOTONIC on Linux,
+// the clock of Python's time.perf_counter.
+inline int64_t NanosSinceEpoch(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             t.time_since_epoch())
+      .count();
+}
 
 constexpr int64_t kCheckEveryMs = 50;  // as WaitForWord's sleep slices
 // How long the poller stays aside after a helping send completed a recv

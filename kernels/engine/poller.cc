@@ -74,10 +74,10 @@
 //   average, but a chain whose first hops missed (its peer was starting)
 //   no longer runs its next hops through the poller.
 //
-// Together (bench/p2p.py, 4 KiB, H = 64, shm, 2-vCPU VM, 9 runs each,
+// Together (bench/p2p.py, 4 KiB, H = 64, shm, 2-vCPU VM, 6 runs each,
 // alternating with the previous engine): the marginal hop went from
-// 19.3-32.6 us (median 28.4) to 11.1-20.1 us (median 17.5); in traced runs
-// the chain itself (first send to last) from ~1.3-1.5 ms to ~0.6-0.7 ms.
+// 20.4-32.6 us (median 28.4) to 11.1-19.7 us (median 13.5); in traced runs
+// the chain itself (first send to last) from 1.52 ms to 0.61-0.67 ms.
 //
 // A wait is completed exactly once: whoever sets `taken` first (a helping
 // send, a tcp reader, the poller, an engine thread) runs `done`; the others
@@ -107,15 +107,6 @@
 #include "kernels/engine/engine_internal.h"
 
 namespace tf_rdma {
-namespace {
-
-int64_t NanosSinceEpoch(Clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             t.time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 struct Engine::PendingRecv {
   Engine* engine;
@@ -436,13 +427,12 @@ void Engine::PollerLoop() {
     // kAsideUs, the poller steps aside: it sleeps on its bell only, for at
     // most kAsideUs, and does not count itself on the data words, so a
     // peer's write does not wake it (see the essay above).
-    const int64_t aside_us = config_.poll_us > 0 ? kAsideUs : 0;
     const bool aside =
-        aside_us > 0 &&
+        config_.poll_us > 0 &&
         (helpers_.load(std::memory_order_seq_cst) > 0 ||
          NanosSinceEpoch(now) - helped_at_ns_.load(std::memory_order_relaxed) <
-             aside_us * 1000);
-    if (aside) until = now + std::chrono::microseconds(aside_us);
+             kAsideUs * 1000);
+    if (aside) until = now + std::chrono::microseconds(kAsideUs);
     watch.clear();
     watch.push_back(WordWatch{&poller_bell_, bell_seen, false});
     bool landed = false;
@@ -464,7 +454,7 @@ void Engine::PollerLoop() {
         continue;
       }
       for (const std::atomic<uint64_t>* word : p->words) {
-        if (aside) break;
+        if (aside) break;  // asleep on the bell only
         uint64_t v = word->load(std::memory_order_acquire);
         watch.push_back(WordWatch{word, static_cast<uint32_t>(v), true,
                                   SleepersOf(word)});
