@@ -776,3 +776,51 @@ def test_one_worker_without_cluster(monkeypatch):
     assert strategy.is_chief and strategy.extended.should_checkpoint
     assert float(strategy.reduce("SUM", tf.constant(2.0), axis=None)) == 2.0
     assert "workers=1" in repr(strategy)
+
+
+def test_input_is_not_fetched_ahead_by_default(monkeypatch):
+    """No per-replica buffer unless the caller asks for one.
+
+    TensorFlow's MultiDeviceIterator crashes the process when it is freed
+    while its prefetch thread is inside GetNext, and Keras drops each epoch's
+    iterator when the epoch ends, whatever that thread is doing
+    (tf_rdma/distribute/extended.py). Both dataset APIs get a buffer of
+    0 unless the caller passes options; the fetching it saves shows in a map
+    function that counts the elements it produced.
+    """
+    import time
+
+    import tensorflow as tf
+    from tf_rdma.distribute import RdmaStrategy
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = RdmaStrategy()
+    fetched = []
+
+    def count(x):
+        fetched.append(int(x))
+        return x
+
+    def dataset(ctx=None):
+        return tf.data.Dataset.range(100).map(
+            lambda x: tf.py_function(count, [x], tf.int64)).batch(2)
+
+    distributed = (strategy.experimental_distribute_dataset(dataset()),
+                   strategy.distribute_datasets_from_function(dataset))
+    for d in distributed:  # private: where input_lib keeps its options
+        assert d._options.experimental_per_replica_buffer_size == 0
+
+    def fetched_after_one_step(d):
+        iterator = iter(d)
+        assert int(next(iterator)[0]) == 0
+        time.sleep(1.0)
+        n = len(fetched)
+        del fetched[:], iterator
+        return n
+
+    by_default = fetched_after_one_step(distributed[0])
+    # The caller's options stand: TensorFlow's buffer of one batch fetches
+    # further ahead (which also shows the count could fail).
+    buffered = fetched_after_one_step(strategy.experimental_distribute_dataset(
+        dataset(), tf.distribute.InputOptions(
+            experimental_per_replica_buffer_size=1)))
+    assert by_default < buffered, (by_default, buffered)

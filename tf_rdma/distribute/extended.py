@@ -84,7 +84,8 @@ def rdma_extended_class():
                          (distribute_utils, "regroup"),
                          (values_lib, "Mirrored"),
                          (values_lib, "DistributedValues"),
-                         (distribute_lib, "InputReplicationMode")):
+                         (distribute_lib, "InputReplicationMode"),
+                         (distribute_lib, "InputOptions")):
         if not hasattr(module, name):
             raise _unsupported(tf, f"{module.__name__}.{name}")
     per_replica_mode = distribute_lib.InputReplicationMode.PER_REPLICA
@@ -159,16 +160,35 @@ def rdma_extended_class():
                 input_pipeline_id=self._rdma_rank,
                 num_replicas_in_sync=self._num_replicas_in_sync)
 
-        def _check_input_options(self, options):
-            if (options is not None and
-                    options.experimental_replication_mode == per_replica_mode):
+        # Input options. TensorFlow's MultiDeviceIterator, behind every
+        # distributed iterator, keeps a per-replica buffer that a background
+        # thread refills after each step. Freed while that thread is inside
+        # its dataset's GetNext, the iterator releases the dataset before it
+        # stops the thread, and the process dies (SIGSEGV, or "terminate
+        # called without an active exception"). Keras drops each epoch's
+        # iterator when the epoch ends, whatever that thread is doing, so
+        # training several models in one process crashes now and then:
+        # under MirroredStrategy and MultiWorkerMirroredStrategy too, more
+        # often on a busy CPU. With
+        # experimental_per_replica_buffer_size=0 the thread fetches only
+        # while a step waits for the element (and holds the iterator), so
+        # none is freed in the middle of a fetch. The input pipeline's own
+        # prefetching stays; what is given up is the copy of the next batch
+        # to a GPU overlapping the step. Options the caller passes are used
+        # as they are (docs/strategy.md, "Input buffers").
+        def _input_options(self, options):
+            if options is None:
+                return distribute_lib.InputOptions(
+                    experimental_per_replica_buffer_size=0)
+            if options.experimental_replication_mode == per_replica_mode:
                 raise NotImplementedError(
                     "tf_rdma.distribute.RdmaStrategy does not support "
                     "InputReplicationMode.PER_REPLICA; use PER_WORKER (the "
                     "default)")
+            return options
 
         def _experimental_distribute_dataset(self, dataset, options):
-            self._check_input_options(options)
+            options = self._input_options(options)
             return input_util.get_distributed_dataset(
                 dataset,
                 self._input_workers_with_options(options),
@@ -178,7 +198,7 @@ def rdma_extended_class():
                 options=options)
 
         def _distribute_datasets_from_function(self, dataset_fn, options):
-            self._check_input_options(options)
+            options = self._input_options(options)
             return input_util.get_distributed_datasets_from_function(
                 dataset_fn=dataset_fn,
                 input_workers=self._input_workers_with_options(options),
