@@ -10,8 +10,12 @@ reduces one value at a time); and its `reduce_per_replica` calls
 `strategy.reduce("MEAN", metric, axis=0)` on scalar metrics under MWMS,
 which fails on the missing axis. This patches both, on the one strategy
 object and in Keras' TensorFlow trainer, so that the baseline trains
-exactly as `fit` intends. It is used for the comparison only; RdmaStrategy
-needs neither patch, and it is not part of tf_rdma.
+exactly as `fit` intends. It also gives the baseline's datasets the input
+options RdmaStrategy uses by default (no per-replica buffer:
+docs/strategy.md, "Input buffers"), so that both get their batches the same
+way and neither process dies of TensorFlow's MultiDeviceIterator crash. It
+is used for the comparison only; RdmaStrategy needs none of this, and it is
+not part of tf_rdma.
 
 Imported as ``mwms_keras``: by keras_digits.py from this directory, and by
 the tests' task processes, whose path tests/conftest.py extends with
@@ -61,6 +65,14 @@ def patch_mwms_for_keras_fit(strategy):
             lambda v: reduce_to(reduce_op, v, destinations, options), value)
 
     extended._reduce_to = reduce_each  # pylint: disable=protected-access
+    no_buffer = tf.distribute.InputOptions(
+        experimental_per_replica_buffer_size=0)
+    for name in ("_experimental_distribute_dataset",
+                 "_distribute_datasets_from_function"):
+        distribute = getattr(extended, name)
+        setattr(extended, name,
+                lambda data, options, distribute=distribute: distribute(
+                    data, no_buffer if options is None else options))
     # Metrics are per worker in the step's logs, as under MirroredStrategy;
     # the epoch's logs and evaluate() read the synchronized metric variables.
     trainer._collective_all_reduce_multi_worker = lambda strategy: False  # pylint: disable=protected-access
