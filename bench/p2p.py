@@ -57,8 +57,11 @@ Two views of a transfer are reported for every size:
 
 The tf_rdma ops match by call (``match_calls=True``), as ``@tf_rdma.rewrite``
 makes them: each write also carries the call's step id, so that calls which
-overlap never take each other's tensors. ``--in-order`` measures the older
-in-order pairing instead, to show what matching costs.
+overlap never take each other's tensors. As in the rewrite's graphs, each
+recv has a control input on the send its task made before it, so a task's
+recvs start one by one along the chain, not all at the call's start.
+``--in-order`` measures the older in-order pairing instead, to show what
+matching costs.
 
 Both functions end with ``y[0] + y[-1]`` on the receiving task, so only a
 scalar returns to the client, and the gRPC and tf_rdma scalars are compared
@@ -197,15 +200,20 @@ def client_main(args):
         return fn
 
     def rdma_fn(v, hops, plan):
+        # The graph @tf_rdma.rewrite makes of the chain: each recv starts
+        # after the send its task made just before it (graph_passes/
+        # rewrite.py, _recv_start_after), not all at the call's start.
         @tf.function
         def fn():
             with tf.device(TASKS[0]):
                 x = v.read_value()
+            sent = []
             for i in range(hops):
                 with tf.device(TASKS[i % 2]):
-                    tf_rdma.ops.send(x, plan, f"hop{i}",
-                                     match_calls=match_calls)
-                with tf.device(TASKS[(i + 1) % 2]):
+                    sent.append(tf_rdma.ops.send(x, plan, f"hop{i}",
+                                                 match_calls=match_calls))
+                with tf.device(TASKS[(i + 1) % 2]), \
+                        tf.control_dependencies(sent[-2:-1]):
                     x = tf_rdma.ops.recv(plan, f"hop{i}",
                                          match_calls=match_calls)
             with tf.device(TASKS[hops % 2]):

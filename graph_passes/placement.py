@@ -88,7 +88,12 @@ def _colocation_targets(node):
             for s in attr.list.s if s.startswith(b"loc:@")]
 
 
-def _topological_order(view):
+def topological_order(view):
+    """The nodes of ``view``, each after all of its inputs.
+
+    Raises:
+      PlanError: If the graph has a cycle.
+    """
     indegree = {n: 0 for n in view.nodes}
     for name, inputs in view.inputs.items():
         indegree[name] = len(inputs)
@@ -185,7 +190,7 @@ def resolve_devices(view, caller_device=DEFAULT_CALLER_DEVICE,
                                      inferred, reason)
 
     generators = []
-    for name in _topological_order(view):
+    for name in topological_order(view):
         node = view.nodes[name]
         root = groups.find(name)
         if root in group_task:

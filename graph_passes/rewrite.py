@@ -13,6 +13,8 @@ planned edge for the tf_rdma ops:
 * a control edge between tasks becomes a send of an empty ``int8`` tensor
   (an Identity of an empty Const, with the control input on the Identity)
   that runs after the producer, and a recv the consumers wait for;
+* a recv starts after the sends of its own task that its tensor waits for
+  (control inputs; see :func:`_recv_start_after`);
 * every node gets the task placement.py chose, written into its device, so
   that TensorFlow's placer cannot put a producer somewhere the plan did not
   expect (which would add a gRPC hop in front of the send).
@@ -46,7 +48,7 @@ from tf_rdma.errors import PlanError
 from tf_rdma.graph_passes.graph import (
     DTYPE_ENUMS, GraphView, input_string, task_of)
 from tf_rdma.graph_passes.placement import (
-    DEFAULT_CALLER_DEVICE, resolve_devices)
+    DEFAULT_CALLER_DEVICE, resolve_devices, topological_order)
 from tf_rdma.graph_passes.plan import Plan, Transfer, canonical_task
 from tf_rdma.graph_passes.transfers import (
     CONTROL, DYNAMIC, KEPT, STATIC, discover_transfers, spanning_calls)
@@ -237,6 +239,68 @@ def _task_device(task):
     return task.replace("/task:", "/replica:0/task:")
 
 
+# When a recv starts. A recv has no data inputs, so TensorFlow starts every
+# recv of a task as soon as the step begins, in the order of its own ready
+# queue. In a chain of hops between two tasks (a pipeline's stages, a
+# parameter server's pull after its push) that puts the start of all of a
+# task's recvs, each a claim, a poll and a registered wait (2 to 10 us on a
+# busy core), in front of the first answer, which often arrives while the
+# recv that takes it is still queued behind the others (bench/p2p.py: with
+# 32 recvs per task, the first two hops of a call took 195 to 340 us).
+#
+# A recv whose producer (on the other task) depends on data this task sends
+# cannot complete before that send has written. Starting it after that send
+# loses nothing and costs nothing: it is started by the thread that just
+# finished the send, about when the answer can come, and one recv is in
+# flight per pair instead of all of them. The control inputs cannot close a
+# cycle: the send is an ancestor of the recv's producer, so it cannot depend
+# on the recv's output. Only the latest such sends are kept (one that
+# another such send waits for in turn adds nothing), so a chain gets one
+# control input per recv. Cost of the analysis: one pass over the graph in
+# topological order with a bit set of planned edges per node.
+def _recv_start_after(analysis):
+    """{edge key: [keys of the edges whose send the edge's recv waits for]}.
+
+    For the recv of each planned edge: the planned edges sent from the
+    recv's own task that the edge's producer depends on (through a consumer
+    of theirs), minus those that another of them depends on.
+    """
+    view = GraphView(analysis.graph_def)
+    planned = analysis.planned
+    bit_of = {e.key: 1 << i for i, e in enumerate(planned)}
+    consumed = {}  # node -> bits of the planned edges it consumes
+    for e in planned:
+        for consumer, _ in e.consumers:
+            consumed[consumer] = consumed.get(consumer, 0) | bit_of[e.key]
+    # behind[n]: the planned edges some consumer of which is n or runs
+    # before n (analyze() has already refused a graph with a cycle).
+    behind = {}
+    for n in topological_order(view):
+        bits = consumed.get(n, 0)
+        for inp in view.inputs[n]:
+            bits |= behind[inp.producer]
+        behind[n] = bits
+    sent_from = {}  # task -> bits of the planned edges it sends
+    for e in planned:
+        sent_from[e.src] = sent_from.get(e.src, 0) | bit_of[e.key]
+    after = {}
+    for e in planned:
+        before = behind[e.producer] & sent_from.get(e.dst, 0)
+        later = 0  # what the sends in `before` wait for themselves
+        for i in _bits(before):
+            later |= behind[planned[i].producer]
+        after[e.key] = [planned[i].key for i in _bits(before & ~later)]
+    return after
+
+
+def _bits(mask):
+    """The positions of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
 def rewrite_graph(analysis, timeout_ms=-1):
     """Returns a new GraphDef with every planned edge moved to tf_rdma ops.
 
@@ -271,10 +335,14 @@ def _rewrite_graph(analysis, timeout_ms):
         used.add(candidate)
         return candidate
 
+    names = {}  # edge key -> (send node, recv node)
+    for edge in analysis.planned:
+        names[edge.key] = (unique(f"tf_rdma/send/{edge.key}"),
+                           unique(f"tf_rdma/recv/{edge.key}"))
+    start_after = _recv_start_after(analysis)
     for edge in analysis.planned:
         slot = plan.slot(edge.key)
-        send_name = unique(f"tf_rdma/send/{edge.key}")
-        recv_name = unique(f"tf_rdma/recv/{edge.key}")
+        send_name, recv_name = names[edge.key]
         if edge.kind == CONTROL:
             # An empty constant, passed through an Identity that runs after
             # the producer: the control edge sits on the Identity, because
@@ -301,7 +369,8 @@ def _rewrite_graph(analysis, timeout_ms):
                  [send_input])
         _op_node(out, recv_name, "TfRdmaRecv", _task_device(edge.dst),
                  "dtype", slot.dtype,
-                 plan.op_attrs(edge.key, "recv", timeout_ms, match_calls=True))
+                 plan.op_attrs(edge.key, "recv", timeout_ms, match_calls=True),
+                 ["^" + names[key][0] for key in start_after.get(edge.key, ())])
         replacement = input_string(recv_name, -1 if edge.kind == CONTROL else 0)
         for consumer, input_slot in edge.consumers:
             node = nodes[consumer]

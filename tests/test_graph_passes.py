@@ -759,7 +759,7 @@ def check_rewrite(analysis, rewritten, timeout_ms=-1):
                 else:
                     assert got[k].i == v, (e.key, k)
             assert tf.dtypes.as_dtype(op.attr[dtype_attr].type).name == slot.dtype
-        assert list(recv.input) == []
+        check_recv_start(analysis, e, recv, nodes)
         if e.kind == CONTROL:
             (token_name,) = send.input
             token = nodes[token_name]
@@ -795,6 +795,79 @@ def check_rewrite(analysis, rewritten, timeout_ms=-1):
     # And TensorFlow takes the graph.
     with tf.Graph().as_default():
         tf.graph_util.import_graph_def(rewritten, name="")
+
+
+def check_recv_start(analysis, e, recv, nodes):
+    """A recv's only inputs: control inputs on the latest sends it waits for.
+
+    Worked out here by a search of the original graph, not by the pass's
+    bit sets: a send S (of edge s) precedes the recv of `e` when S runs on
+    the recv's task and a consumer of s is `e`'s producer or one of its
+    ancestors; the recv waits for exactly the preceding sends that no other
+    preceding send's producer depends on.
+    """
+    view = GraphView(analysis.graph_def)
+
+    def ancestors(name):
+        seen, todo = {name}, [name]
+        while todo:
+            for inp in view.inputs[todo.pop()]:
+                if inp.producer not in seen:
+                    seen.add(inp.producer)
+                    todo.append(inp.producer)
+        return seen
+
+    def behind(name):
+        up = ancestors(name)
+        return {s.key for s in analysis.planned
+                if any(c in up for c, _ in s.consumers)}
+
+    preceding = {s.key for s in analysis.planned
+                 if s.src == e.dst} & behind(e.producer)
+    by_key = {s.key: s for s in analysis.planned}
+    implied = set()
+    for key in preceding:
+        implied |= behind(by_key[key].producer)
+    want = preceding - implied
+    got = set()
+    for text in recv.input:
+        assert text.startswith("^"), (e.key, list(recv.input))
+        send = nodes[text[1:]]
+        assert send.op == "TfRdmaSend", (e.key, text)
+        assert task_of(send.device) == task_of(recv.device), (e.key, text)
+        got.add(send.attr["tensor_name"].s.decode())
+    assert got == want, (e.key, got, want)
+
+
+def test_recvs_of_a_chain_start_after_the_send_before_them():
+    """A chain of hops between two tasks: each recv waits for one send."""
+    @tf.function
+    def chain(x):
+        for i in range(6):
+            with tf.device((W0, W1)[(i + 1) % 2]):
+                x = x * 2.0
+        return x
+
+    _, gd = trace(chain, SPEC3)
+    a = rw.analyze(gd)
+    hops = sorted(a.planned, key=lambda e: gd_position(gd, e.producer))
+    assert [(e.src, e.dst) for e in hops] == [
+        ((W1, W0)[i % 2], (W0, W1)[i % 2]) for i in range(len(hops))], \
+        a.summary()
+    assert len(hops) == 5
+    rewritten = rw.rewrite_graph(a)
+    check_rewrite(a, rewritten)
+    recv_of = {n.attr["tensor_name"].s.decode(): n for n in rewritten.node
+               if n.op == "TfRdmaRecv"}
+    send_name = {n.attr["tensor_name"].s.decode(): n.name
+                 for n in rewritten.node if n.op == "TfRdmaSend"}
+    assert list(recv_of[hops[0].key].input) == []
+    for before, hop in zip(hops, hops[1:]):
+        assert list(recv_of[hop.key].input) == ["^" + send_name[before.key]]
+
+
+def gd_position(gd, name):
+    return [n.name for n in gd.node].index(name)
 
 
 def test_rewrite_moves_every_planned_edge():
