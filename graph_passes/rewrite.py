@@ -72,6 +72,8 @@ class Analysis:
         level: function calls and loops whose bodies run ops on other tasks
         (their traffic stays on TensorFlow's path, even when no edge of the
         call itself crosses tasks).
+      view: The :class:`~tf_rdma.graph_passes.graph.GraphView` of
+        ``graph_def`` that the passes built (the rewrite reuses it).
     """
 
     graph_def: object
@@ -80,6 +82,7 @@ class Analysis:
     placements: dict
     caller_task: str
     notes: tuple = ()
+    view: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def edges_of_kind(self, *kinds):
         return [e for e in self.edges if e.kind in kinds]
@@ -204,7 +207,7 @@ def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
     plan = Plan(transfers, name=plan_name(name, transfers, depth), depth=depth)
     notes = tuple(reason for _, reason in sorted(spanning.items()))
     return Analysis(graph_def, plan, tuple(edges), placements, caller_task,
-                    notes)
+                    notes, view)
 
 
 def _attr(value):
@@ -265,7 +268,7 @@ def _recv_start_after(analysis):
     recv's own task that the edge's producer depends on (through a consumer
     of theirs), minus those that another of them depends on.
     """
-    view = GraphView(analysis.graph_def)
+    view = analysis.view
     planned = analysis.planned
     bit_of = {e.key: 1 << i for i, e in enumerate(planned)}
     consumed = {}  # node -> bits of the planned edges it consumes

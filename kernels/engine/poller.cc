@@ -68,7 +68,11 @@
 //   was still queued, often behind the helping thread itself, landed where
 //   nobody waited and the helper spun out its 200 us. A helper now also
 //   watches the data words of every recv slot: data landing where no wait
-//   is registered gives the thread back to TensorFlow at once.
+//   is registered gives the thread back to TensorFlow at once. (Since the
+//   rewrite starts a recv only after the send before it in a chain,
+//   graph_passes/rewrite.py, such a send usually finds no wait at all and
+//   returns at once; the recv it then lets run takes the answer in its
+//   inline poll.)
 //   And a helper that keeps missing halves its budget with every miss (to
 //   an eighth) instead of helping only every 8th time: the same spinning on
 //   average, but a chain whose first hops missed (its peer was starting)
