@@ -196,7 +196,9 @@ ep = start()
 from tf_rdma import collectives as C
 got = [C.all_reduce(tf.ones([4]), algorithm="oneshot").numpy().tolist()
        for _ in range(2)]
-result({"got": got, "spin": tf_rdma.endpoint_info()["collective_spin_us"]})
+info = tf_rdma.endpoint_info()
+result({"got": got, "spin": info["collective_spin_us"],
+        "shares_cores": info["shares_cores"]})
 """
 
 
@@ -210,32 +212,45 @@ def test_the_first_collective_logs_how_collectives_wait(setting):
     why = (f"(2 tasks of the cluster on this host, {cpus} "
            f"CPU{'' if cpus == 1 else 's'})" if setting == "auto"
            else "(TF_RDMA_COLLECTIVE_SPIN_US)")
+    host = f"(2 tasks of the cluster on this host, {cpus} CPU{'' if cpus == 1 else 's'})"
     for res in out.values():
         assert res.result["got"] == [[2.0] * 4] * 2
         assert res.result["spin"] == spin
+        assert res.result["shares_cores"] == (cpus < 2)
         lines = _log_lines(res.stderr, "collectives ")
         assert len(lines) == 1, res.stderr  # once per process
-        assert lines[0].endswith(
-            (f"collectives of up to 1 MiB spin up to {spin} us for each "
-             f"block before sleeping {why}") if spin else
-            f"collectives sleep after a few us without their block {why}"), \
-            lines
+        how = (f"collectives of up to 1 MiB spin up to {spin} us for each "
+               f"block before sleeping" if spin else
+               "collectives sleep after a few us without their block")
+        if setting != "auto":
+            how += f" {why}"
+        if cpus < 2:  # two tasks share the one CPU
+            how += "; a collective's poll yields the core between its looks"
+        if setting == "auto" or cpus < 2:
+            how += f" {host}"
+        assert lines[0].endswith(how), lines
 
 
 @pytest.mark.parametrize("host_cpus, spin", [("2", 500), ("1", 0)])
 def test_auto_spin_of_tasks_bound_to_their_own_cpus(host_cpus, spin):
     """TF_RDMA_HOST_CPUS (tf-rdma launch sets it when it binds each task to
     its own CPUs): auto compares the host's tasks with the CPUs they share,
-    not with the process's own share."""
+    not with the process's own share. Two tasks on one CPU share it: their
+    polls yield it (the inline path's sums stay right)."""
     out = run_tasks({"worker:0": COLLECTIVE, "worker:1": COLLECTIVE},
                     env={"TF_RDMA_COLLECTIVE_SPIN_US": "auto",
                          "TF_RDMA_HOST_CPUS": host_cpus})
     why = (f"(2 tasks of the cluster on this host, {host_cpus} "
            f"CPU{'' if host_cpus == '1' else 's'}, each task bound to its own)")
+    shared = host_cpus == "1"
     for res in out.values():
         assert res.result["got"] == [[2.0] * 4] * 2
         assert res.result["spin"] == spin
-        assert _log_lines(res.stderr, "collectives ")[0].endswith(why), res.stderr
+        assert res.result["shares_cores"] == shared
+        line = _log_lines(res.stderr, "collectives ")[0]
+        assert line.endswith(
+            f"; a collective's poll yields the core between its looks {why}"
+            if shared else f"before sleeping {why}"), res.stderr
 
 
 REFUSED = """

@@ -206,13 +206,16 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
   // Bound to its own CPUs (tf-rdma launch): the tasks share the host's.
   const bool bound = config_.host_cpus > 0;
   if (bound) ncpus = static_cast<int>(config_.host_cpus);
-  std::string why = std::to_string(tasks_here) + " task" +
-                    (tasks_here == 1 ? "" : "s") +
-                    " of the cluster on this host, " + std::to_string(ncpus) +
-                    " CPU" + (ncpus == 1 ? "" : "s") +
-                    (bound ? ", each task bound to its own" : "");
+  const std::string host = std::to_string(tasks_here) + " task" +
+                           (tasks_here == 1 ? "" : "s") +
+                           " of the cluster on this host, " +
+                           std::to_string(ncpus) + " CPU" +
+                           (ncpus == 1 ? "" : "s") +
+                           (bound ? ", each task bound to its own" : "");
+  std::string why = host;
+  shares_cores_ = tasks_here > ncpus;
   if (config_.collective_spin_us == kAutoSpin) {
-    config_.collective_spin_us = tasks_here <= ncpus ? kAutoSpinUs : 0;
+    config_.collective_spin_us = shares_cores_ ? 0 : kAutoSpinUs;
   } else {
     why = "TF_RDMA_COLLECTIVE_SPIN_US";
   }
@@ -221,9 +224,13 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
       config_.collective_spin_us > 0
           ? "collectives of up to " + limit + " spin up to " +
                 std::to_string(config_.collective_spin_us) +
-                " us for each block before sleeping (" + why + ")"
-          : "collectives sleep after a few us without their block (" + why +
-                ")";
+                " us for each block before sleeping"
+          : "collectives sleep after a few us without their block";
+  if (why != host) spin_choice_ += " (" + why + ")";
+  if (shares_cores_) {
+    spin_choice_ += "; a collective's poll yields the core between its looks";
+  }
+  if (why == host || shares_cores_) spin_choice_ += " (" + host + ")";
 }
 
 void Engine::LogCollectiveSpin() {
@@ -288,6 +295,8 @@ std::string Engine::Info() {
          std::to_string(refused_connections_.load());
   out += ", \"collective_spin_us\": " +
          std::to_string(config_.collective_spin_us);
+  out += std::string(", \"shares_cores\": ") +
+         (shares_cores_ ? "true" : "false");
   auto verbs = transports_.find("verbs");
   out += ", \"verbs\": " +
          JsonString(verbs != transports_.end()

@@ -253,6 +253,10 @@ class Engine {
   // Logs, once per process, how collectives wait (the first collective
   // calls it: a job without collectives is not told).
   void LogCollectiveSpin();
+  // Whether this host runs more of the cluster's tasks than it has CPUs
+  // (Start() decides, as for the auto spin): a poll then yields the core
+  // between its looks (collective.cc, the inline path).
+  bool shares_cores() const { return shares_cores_; }
   int listen_port() const { return listen_port_; }
   // A JSON object: task, listen_port, transport (the setting),
   // refused_connections, verbs (the device, or "unusable: <why>"), pairs
@@ -613,6 +617,7 @@ class Engine {
 
   // ResolveCollectiveSpin's words, logged by the first collective.
   std::string spin_choice_;
+  bool shares_cores_ = false;  // set by ResolveCollectiveSpin
   std::once_flag spin_logged_;
 
   // Blocking-work threads (Schedule).
