@@ -89,6 +89,22 @@ time of a run is the slowest rank's time (max over ranks: the allreduce is
 done when every rank has the sum); ``median_s`` and ``min_s`` are over those
 per-run maxima. Rank 0's own median is kept as ``rank0_median_s``.
 
+After the rounds, every variant of a size up to SMALL_SIZE (1 MiB) is also
+timed back to back: BURSTS bursts of BURST_CALLS calls (after BURST_WARMUP
+more), with the ranks' barrier only before each burst; per burst, each rank's
+time / BURST_CALLS, and ``median_back_to_back_s`` is the median over the
+bursts of the slowest rank's. A timed call after a barrier is charged how the
+ranks left the barrier (where they outnumber the cores, which of them waits
+for a core and which for a peer); a loop of calls pays what the calls cost
+the cores.
+
+Around every timed call each rank also reads its process's CPU time (every
+thread's, ``time.process_time``). Per run, for the slowest rank:
+``median_cpu_s`` is that CPU time, and ``median_off_cpu_s`` the time minus
+it (at least that long none of the rank's threads was on a CPU: asleep
+waiting for a peer, or waiting for a core that another process holds; 0 where
+the ranks have cores of their own).
+
 Every rank's input is ``(i mod 251) + rank`` at element i, so the sum is
 exact in float32 and known; the output of the first and the last call of
 every variant is compared element by element on every rank. A variant whose
@@ -107,7 +123,11 @@ or "not measured", and where one is missed the bound the run has for it:
   4 KiB and 64 KiB, P = 2 and 4: best tf_rdma - dispatch <= Open MPI's
   time. The bounds: Open MPI / floor (how much faster than Open MPI a
   tf_rdma at the floor would be) and Open MPI / dispatch (a call costs at
-  least its dispatch).
+  least its dispatch); at the small sizes, where each part of the call's
+  time after the dispatch goes; the CPU and off-CPU times of the call, the
+  empty call and Open MPI (where an empty call, which waits for no peer,
+  spends longer off a CPU than Open MPI's whole call takes, the difference
+  cannot resolve Open MPI's time); and the same difference back to back.
 """
 
 import argparse
@@ -139,6 +159,12 @@ WARMUP = 2
 #: to run on a 2-vCPU machine with a handful of rounds.
 SMALL_SIZE = 1 << 20
 SMALL_RUNS = 50
+#: After its rounds, every variant of a size up to SMALL_SIZE is also timed
+#: back to back: BURSTS bursts (after BURST_WARMUP more) of BURST_CALLS
+#: calls each, the ranks synchronised only before a burst.
+BURSTS = 5
+BURST_WARMUP = 1
+BURST_CALLS = 50
 
 
 
@@ -229,8 +255,8 @@ class _Rank:
         self.system = system
         self.doc = {"system": system, "rank": rank, "P": nranks,
                     "pid": os.getpid(), "info": {}, "times": {},
-                    "waits": {}, "starts": {}, "inside": {}, "errors": {},
-                    "done": False}
+                    "waits": {}, "starts": {}, "inside": {}, "cpu": {},
+                    "back_to_back": {}, "errors": {}, "done": False}
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
     def save(self):
@@ -274,6 +300,7 @@ class _Rank:
             waits = {name: [] for name in variants}
             starts = {name: [] for name in variants}
             inside = {name: [] for name in variants}
+            cpu = {name: [] for name in variants}
 
             def error(name, message):
                 self.doc["errors"].setdefault(name, {})[str(size)] = message
@@ -287,9 +314,11 @@ class _Rank:
                     try:
                         sync()
                         p0 = probe() if probe else None
+                        c0 = time.process_time()
                         t0 = time.perf_counter()
                         y = variants[name]()
                         dt = time.perf_counter() - t0
+                        c1 = time.process_time()
                         p1 = probe() if probe else None
                     except Exception as err:  # noqa: BLE001 -- reported
                         # The op failed (the peers' calls fail too): the
@@ -300,6 +329,7 @@ class _Rank:
                         waits.pop(name)
                         starts.pop(name)
                         inside.pop(name)
+                        cpu.pop(name)
                         continue
                     expected = expect[name]
                     if expected is not None and (
@@ -324,6 +354,7 @@ class _Rank:
                         # perf_counter is CLOCK_MONOTONIC on Linux: one
                         # clock for every process of the host.
                         starts[name].append(t0)
+                        cpu[name].append(c1 - c0)
                         if p1 is not None:
                             waits[name].append(p1[0] - p0[0])
                             if p1[1] and p1[1] != p0[1]:
@@ -336,13 +367,43 @@ class _Rank:
                         waits[name]
                 self.doc["starts"].setdefault(name, {})[str(size)] = \
                     starts[name]
+                self.doc["cpu"].setdefault(name, {})[str(size)] = cpu[name]
                 if len(inside[name]) == len(ts):
                     self.doc["inside"].setdefault(name, {})[str(size)] = \
                         inside[name]
+            if size <= SMALL_SIZE:
+                self._back_to_back(size, variants, sync)
             self.save()  # partial results survive a later timeout
             del variants, x, expected_sum, expect
         self.doc["done"] = True
         self.save()
+
+    def _back_to_back(self, size, variants, sync):
+        """Times bursts of calls with no barrier between them.
+
+        A timed call after a barrier is charged how the ranks leave the
+        barrier; where they outnumber the cores, that decides which of the
+        ranks' calls waits for a core and which for a peer. A loop of
+        calls (a training loop's) pays instead what the calls cost the
+        cores; a burst measures that: per call, its time / BURST_CALLS.
+        """
+        for name, call in variants.items():
+            per_call = []
+            try:
+                for b in range(BURST_WARMUP + BURSTS):
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(BURST_CALLS):
+                        call()
+                    if b >= BURST_WARMUP:
+                        per_call.append(
+                            (time.perf_counter() - t0) / BURST_CALLS)
+            except Exception as err:  # noqa: BLE001 -- reported
+                self.doc["errors"].setdefault(name, {})[str(size)] = (
+                    f"back to back: {type(err).__name__}: {err}"[:2000])
+                continue
+            self.doc["back_to_back"].setdefault(name, {})[str(size)] = \
+                per_call
 
 
 def worker_tf_rdma(args):
@@ -764,6 +825,17 @@ def combine(docs, nranks):
             if name != DISPATCH and all(waits):
                 extra["median_waited_s"] = statistics.median(
                     _slowest_rank_waits(per_rank, waits))
+            cpu = [d.get("cpu", {}).get(name, {}).get(str(size))
+                   for d in docs]
+            if all(cpu):
+                slowest_cpu, off_cpu = _slowest_rank_cpu(per_rank, cpu)
+                extra["median_cpu_s"] = statistics.median(slowest_cpu)
+                extra["median_off_cpu_s"] = statistics.median(off_cpu)
+            bursts = [d.get("back_to_back", {}).get(name, {}).get(str(size))
+                      for d in docs]
+            if all(bursts):
+                extra["median_back_to_back_s"] = statistics.median(
+                    slowest_rank(bursts))
             starts = [d.get("starts", {}).get(name, {}).get(str(size))
                       for d in docs]
             if all(starts):
@@ -819,6 +891,25 @@ def _split_at_the_engine(per_rank, starts, inside):
                                        end - exit_)):
             part.append(value)
     return parts
+
+
+def _slowest_rank_cpu(per_rank, cpu):
+    """Per run, the CPU time of its slowest rank during its call, and how
+    long at least none of that rank's threads was on a CPU.
+
+    ``cpu`` holds each call's process CPU time (every thread's). A process
+    with at least one thread running all the time it is timed uses at
+    least that much CPU, so time - CPU (0 if less) is a lower bound on the
+    time it had no thread on a CPU: asleep waiting for its peers, or
+    runnable and waiting for a core that another process holds.
+    """
+    runs = min(len(t) for t in per_rank + cpu)
+    used, off = [], []
+    for i in range(runs):
+        slowest = max(range(len(per_rank)), key=lambda r: per_rank[r][i])
+        used.append(cpu[slowest][i])
+        off.append(max(per_rank[slowest][i] - cpu[slowest][i], 0.0))
+    return used, off
 
 
 def _slowest_rank_waits(per_rank, waits):
@@ -1077,6 +1168,45 @@ def checks(results):
                           f"{human_time(abs(rest))} "
                           f"{'more' if rest >= 0 else 'less'} than the "
                           f"empty call's; ")
+            cpu, off = ({system: by[(system, size, nranks)].get(key)
+                         for system in (name, DISPATCH, OPENMPI)}
+                        for key in ("median_cpu_s", "median_off_cpu_s"))
+            measured["cpu_s"], measured["off_cpu_s"] = cpu, off
+            if None not in cpu.values() and None not in off.values():
+                # Where the ranks outnumber the cores they queue for them.
+                # The empty call waits for no peer: its time off a CPU is
+                # a wait for a core (or a wake-up), and where that alone
+                # is longer than Open MPI's call, the subtraction measures
+                # the scheduler more than the call.
+                bound += (f"CPU time of the slowest rank (all its threads): "
+                          f"{human_time(cpu[name])} - the empty call's "
+                          f"{human_time(cpu[DISPATCH])} = "
+                          f"{human_time(cpu[name] - cpu[DISPATCH])} vs "
+                          f"{OPENMPI} {human_time(cpu[OPENMPI])}; time with "
+                          f"no thread on a CPU, at least: "
+                          f"{human_time(off[name])}, the empty call "
+                          f"{human_time(off[DISPATCH])}, {OPENMPI} "
+                          f"{human_time(off[OPENMPI])}")
+                if off[DISPATCH] > mpi:
+                    bound += (f" (the empty call waits for no peer: its "
+                              f"slowest rank waited that long for a core or "
+                              f"a wake-up, {_times(off[DISPATCH] / mpi)} "
+                              f"{OPENMPI}'s time, more than the difference "
+                              f"can resolve)")
+                bound += "; "
+            b2b = {system: by[(system, size, nranks)].get(
+                       "median_back_to_back_s")
+                   for system in (name, DISPATCH, OPENMPI)}
+            measured["back_to_back_s"] = b2b
+            if None not in b2b.values():
+                own = b2b[name] - b2b[DISPATCH]
+                bound += (f"back to back (bursts of {BURST_CALLS} calls, no "
+                          f"barrier between them): {human_time(b2b[name])} "
+                          f"- the empty call's {human_time(b2b[DISPATCH])} "
+                          f"= {human_time(own)} vs {OPENMPI} "
+                          f"{human_time(b2b[OPENMPI])}, "
+                          f"{_times(max(own, 0.0) / b2b[OPENMPI])} its "
+                          f"time; ")
             bound += (f"the dispatch alone {human_time(dispatch)} is "
                       f"{_times(dispatch / mpi)} {OPENMPI}'s "
                       f"{human_time(mpi)} (not counted by the target)")

@@ -250,6 +250,87 @@ def test_small_sizes_print_the_part_inside_the_engine(bench):
     assert check["measured"]["split_s"]["tf_rdma-oneshot"]["inside"] == 4.5e-6
 
 
+def test_combine_takes_the_cpu_time_of_each_run_s_slowest_rank(bench):
+    def doc(rank, times, cpu):
+        return {"rank": rank, "errors": {},
+                "times": {bench.DISPATCH: {"4096": times}},
+                "cpu": {bench.DISPATCH: {"4096": cpu}}}
+    # Run 0: rank 1 is slowest (700 us, 300 us of CPU: 400 us off it);
+    # run 1: rank 0 (800 us, 250 us: 550 us); run 2: rank 1 (600 us, with
+    # 650 us of CPU on two threads: 0 off it). Medians: 300 and 400 us.
+    docs = [doc(0, [500e-6, 800e-6, 100e-6], [490e-6, 250e-6, 90e-6]),
+            doc(1, [700e-6, 200e-6, 600e-6], [300e-6, 190e-6, 650e-6])]
+    results, _ = bench.combine(docs, 2)
+    empty = results[0]
+    assert empty["median_cpu_s"] == pytest.approx(300e-6)
+    assert empty["median_off_cpu_s"] == pytest.approx(400e-6)
+    # A rank without CPU times: neither key.
+    del docs[1]["cpu"]
+    results, _ = bench.combine(docs, 2)
+    assert "median_cpu_s" not in results[0]
+    assert "median_off_cpu_s" not in results[0]
+
+
+def test_small_sizes_print_the_cpu_and_the_wait_for_a_core(bench):
+    cpu = {"tf_rdma-oneshot": (395e-6, 497e-6), bench.DISPATCH: (288e-6,
+                                                                 442e-6),
+           bench.OPENMPI: (10e-6, 10e-6)}
+
+    def results(empty_off):
+        out = [entry("tf_rdma-oneshot", 4 * KiB, 875e-6, P=4),
+               entry(bench.DISPATCH, 4 * KiB, 727e-6, P=4),
+               entry(bench.OPENMPI, 4 * KiB, 20e-6, P=4)]
+        for r in out:
+            r["median_cpu_s"], r["median_off_cpu_s"] = cpu[r["system"]]
+        out[1]["median_off_cpu_s"] = empty_off
+        return out
+
+    target = "best tf_rdma - dispatch <= openmpi's time"
+    check = by_target(bench.checks(results(442e-6)), 4 * KiB, 4, target)
+    assert check["verdict"] == "MISSED"
+    assert ("CPU time of the slowest rank (all its threads): 395.0 us - the "
+            "empty call's 288.0 us = 107.0 us vs openmpi 10.0 us; time with "
+            "no thread on a CPU, at least: 497.0 us, the empty call 442.0 "
+            "us, openmpi 10.0 us (the empty call waits for no peer: its "
+            "slowest rank waited that long for a core or a wake-up, 22.10x "
+            "openmpi's time, more than the difference can resolve); ") in \
+        check["bound"]
+    assert check["measured"]["off_cpu_s"][bench.DISPATCH] == 442e-6
+    # Ranks on cores of their own: the empty call is on a CPU all along,
+    # and the numbers are printed without the clause.
+    check = by_target(bench.checks(results(0.0)), 4 * KiB, 4, target)
+    assert "the empty call 0.0 us, openmpi 10.0 us; the dispatch alone" in \
+        check["bound"]
+
+
+def test_combine_takes_each_burst_s_slowest_rank_back_to_back(bench):
+    def doc(rank, per_call):
+        return {"rank": rank, "errors": {},
+                "times": {bench.OPENMPI: {"4096": [5e-6]}},
+                "back_to_back": {bench.OPENMPI: {"4096": per_call}}}
+    # Bursts: max(3, 4) = 4, max(6, 2) = 6, max(5, 5) = 5 us: median 5 us.
+    docs = [doc(0, [3e-6, 6e-6, 5e-6]), doc(1, [4e-6, 2e-6, 5e-6])]
+    results, _ = bench.combine(docs, 2)
+    assert results[0]["median_back_to_back_s"] == pytest.approx(5e-6)
+
+
+def test_small_sizes_print_the_difference_back_to_back(bench):
+    back_to_back = {"tf_rdma-oneshot": 460e-6, bench.DISPATCH: 415e-6,
+                    bench.OPENMPI: 15e-6}
+    results = [entry("tf_rdma-oneshot", 4 * KiB, 890e-6, P=4),
+               entry(bench.DISPATCH, 4 * KiB, 244e-6, P=4),
+               entry(bench.OPENMPI, 4 * KiB, 15e-6, P=4)]
+    for r in results:
+        r["median_back_to_back_s"] = back_to_back[r["system"]]
+    check = by_target(bench.checks(results), 4 * KiB, 4,
+                      "best tf_rdma - dispatch <= openmpi's time")
+    assert check["verdict"] == "MISSED"  # judged on the one call: 646 us
+    assert ("back to back (bursts of 50 calls, no barrier between them): "
+            "460.0 us - the empty call's 415.0 us = 45.0 us vs openmpi "
+            "15.0 us, 3.00x its time; ") in check["bound"]
+    assert check["measured"]["back_to_back_s"] == back_to_back
+
+
 def test_1m_bound_names_the_floor_and_the_dispatch(bench):
     results = [entry("tf_rdma-rhd", MiB, 1e-3),
                entry(bench.DISPATCH, MiB, 600e-6),
@@ -281,6 +362,12 @@ def test_floor_runs_and_leaves_no_shared_memory(tmp_path, bench):
     # Sizes up to 1 MiB get at least SMALL_RUNS rounds.
     assert all(r["median_s"] > 0 and r["runs"] == bench.SMALL_RUNS
                for r in doc["results"])
+    # Every run of a rank is on the CPU or off it: neither time is negative,
+    # and the CPU time is the process's own (not zero). Small sizes are
+    # timed back to back as well.
+    for r in doc["results"]:
+        assert r["median_cpu_s"] > 0 and r["median_off_cpu_s"] >= 0, r
+        assert r["median_back_to_back_s"] > 0, r
     assert doc["config"]["floor_block"] == 16 * KiB
     assert "np.copyto" in doc["config"]["floor"]
     assert doc["checks"] and all(c["verdict"] == "not measured"
