@@ -283,9 +283,9 @@ class _Rank:
             result of variant ``name`` must equal, given the sum
             (``expected``); None: not checked. Default: the sum.
           probe: ``() -> (seconds, last)``, read around each timed call
-            (tf_rdma's counters): the seconds this process has waited for
-            its peers so far, and the engine's last collective call
-            (``tf_rdma.stats()["last_collective"]``). Saved per call next
+            (tf_rdma's counters): the seconds this process has spent
+            waiting for its peers so far, and the engine's last collective
+            call (``tf_rdma.stats()["last_collective"]``). Saved per call next
             to its time: the wait's growth, and the call's admission and
             end on the caller's clock where the last call changed during
             the timed one. None: neither is recorded.
@@ -492,10 +492,12 @@ def worker_tf_rdma(args):
     me.save()
 
     def probe():
+        # The busy clocks: the time at least one of the process's waits
+        # was in progress. The summed waits count a oneshot's concurrent
+        # waits for its P - 1 peers each (P - 1 times the wall time).
         stats = tf_rdma.stats()
-        total = stats["total"]
-        return (total["data_wait_seconds"] + total["credit_wait_seconds"],
-                stats["last_collective"])
+        return (stats["data_wait_busy_seconds"] +
+                stats["credit_wait_busy_seconds"], stats["last_collective"])
 
     me.run(variants_for_size, sync, expected_for, probe)
 
