@@ -102,8 +102,8 @@ Around every timed call each rank also reads its process's CPU time (every
 thread's, ``time.process_time``). Per run, for the slowest rank:
 ``median_cpu_s`` is that CPU time, and ``median_off_cpu_s`` the time minus
 it (at least that long none of the rank's threads was on a CPU: asleep
-waiting for a peer, or waiting for a core that another process holds; 0 where
-the ranks have cores of their own).
+waiting for a peer, or waiting for a core that another process holds; near 0
+where the ranks have cores of their own and do not wait for each other).
 
 Every rank's input is ``(i mod 251) + rank`` at element i, so the sum is
 exact in float32 and known; the output of the first and the last call of
@@ -256,7 +256,8 @@ class _Rank:
         self.doc = {"system": system, "rank": rank, "P": nranks,
                     "pid": os.getpid(), "info": {}, "times": {},
                     "waits": {}, "starts": {}, "inside": {}, "cpu": {},
-                    "back_to_back": {}, "errors": {}, "done": False}
+                    "back_to_back": {}, "back_to_back_errors": {},
+                    "errors": {}, "done": False}
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
     def save(self):
@@ -278,7 +279,8 @@ class _Rank:
         Args:
           variants_for_size: ``(size, x) -> {name: call}``; ``call()``
             returns the variant's result.
-          sync: Called before every timed call: the ranks' barrier.
+          sync: Called before every timed call and every burst: the ranks'
+            barrier.
           expected_for: ``(name, expected) -> array or None``: what the
             result of variant ``name`` must equal, given the sum
             (``expected``); None: not checked. Default: the sum.
@@ -371,9 +373,10 @@ class _Rank:
                 if len(inside[name]) == len(ts):
                     self.doc["inside"].setdefault(name, {})[str(size)] = \
                         inside[name]
+            self.save()  # partial results survive a later timeout
             if size <= SMALL_SIZE:
                 self._back_to_back(size, variants, sync)
-            self.save()  # partial results survive a later timeout
+                self.save()
             del variants, x, expected_sum, expect
         self.doc["done"] = True
         self.save()
@@ -386,6 +389,11 @@ class _Rank:
         ranks' calls waits for a core and which for a peer. A loop of
         calls (a training loop's) pays instead what the calls cost the
         cores; a burst measures that: per call, its time / BURST_CALLS.
+
+        A call that fails ends the size's bursts on this rank (its peers'
+        calls fail or time out too, and the ranks would no longer meet in
+        the same barrier); the error is kept in ``back_to_back_errors``
+        and printed, and the rounds' times stand.
         """
         for name, call in variants.items():
             per_call = []
@@ -399,9 +407,13 @@ class _Rank:
                         per_call.append(
                             (time.perf_counter() - t0) / BURST_CALLS)
             except Exception as err:  # noqa: BLE001 -- reported
-                self.doc["errors"].setdefault(name, {})[str(size)] = (
-                    f"back to back: {type(err).__name__}: {err}"[:2000])
-                continue
+                message = f"{type(err).__name__}: {err}"[:2000]
+                self.doc["back_to_back_errors"].setdefault(
+                    name, {})[str(size)] = message
+                print(f"{LOG_PREFIX}rank {self.rank}: {name} at "
+                      f"{human_size(size)} back to back: {message}",
+                      file=sys.stderr, flush=True)
+                return
             self.doc["back_to_back"].setdefault(name, {})[str(size)] = \
                 per_call
 
@@ -492,9 +504,9 @@ def worker_tf_rdma(args):
     me.save()
 
     def probe():
-        # The busy clocks: the time at least one of the process's waits
-        # was in progress. The summed waits count a oneshot's concurrent
-        # waits for its P - 1 peers each (P - 1 times the wall time).
+        # The busy clocks, per kind of wait: the time at least one of the
+        # process's data (credit) waits was in progress. The summed waits
+        # count a oneshot's concurrent waits for its P - 1 peers each.
         stats = tf_rdma.stats()
         return (stats["data_wait_busy_seconds"] +
                 stats["credit_wait_busy_seconds"], stats["last_collective"])
@@ -807,6 +819,12 @@ def combine(docs, nranks):
                     errors.append({"system": name, "size_bytes": int(size),
                                    "P": nranks, "rank": doc["rank"],
                                    "error": message})
+        # Reported, but the rounds' times of the variant stand.
+        for name, by_size in doc.get("back_to_back_errors", {}).items():
+            for size, message in by_size.items():
+                errors.append({"system": name, "size_bytes": int(size),
+                               "P": nranks, "rank": doc["rank"],
+                               "error": f"back to back: {message}"})
     if len(docs) < nranks:
         return results, errors
     names = sorted({n for d in docs for n in d["times"]})

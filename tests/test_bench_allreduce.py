@@ -310,8 +310,17 @@ def test_combine_takes_each_burst_s_slowest_rank_back_to_back(bench):
                 "back_to_back": {bench.OPENMPI: {"4096": per_call}}}
     # Bursts: max(3, 4) = 4, max(6, 2) = 6, max(5, 5) = 5 us: median 5 us.
     docs = [doc(0, [3e-6, 6e-6, 5e-6]), doc(1, [4e-6, 2e-6, 5e-6])]
-    results, _ = bench.combine(docs, 2)
+    results, errors = bench.combine(docs, 2)
+    assert not errors
     assert results[0]["median_back_to_back_s"] == pytest.approx(5e-6)
+    # A burst that failed on a rank is reported; the rounds' times stand.
+    del docs[1]["back_to_back"]
+    docs[1]["back_to_back_errors"] = {bench.OPENMPI: {"4096": "boom"}}
+    results, errors = bench.combine(docs, 2)
+    assert errors == [{"system": bench.OPENMPI, "size_bytes": 4096, "P": 2,
+                       "rank": 1, "error": "back to back: boom"}]
+    assert results[0]["median_s"] == pytest.approx(5e-6)
+    assert "median_back_to_back_s" not in results[0]
 
 
 def test_small_sizes_print_the_difference_back_to_back(bench):

@@ -225,7 +225,7 @@ def test_the_first_collective_logs_how_collectives_wait(setting):
         if setting != "auto":
             how += f" {why}"
         if cpus < 2:  # two tasks share the one CPU
-            how += "; a collective's poll yields the core between its looks"
+            how += "; their inline poll yields the core between its looks"
         if setting == "auto" or cpus < 2:
             how += f" {host}"
         assert lines[0].endswith(how), lines
@@ -249,7 +249,7 @@ def test_auto_spin_of_tasks_bound_to_their_own_cpus(host_cpus, spin):
         assert res.result["shares_cores"] == shared
         line = _log_lines(res.stderr, "collectives ")[0]
         assert line.endswith(
-            f"; a collective's poll yields the core between its looks {why}"
+            f"; their inline poll yields the core between its looks {why}"
             if shared else f"before sleeping {why}"), res.stderr
 
 

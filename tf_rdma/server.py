@@ -78,8 +78,8 @@ def endpoint_info():
     handshake, over a limit or denied), collective_spin_us (int: how long a
     collective of at most 1 MiB spins for a block before it sleeps,
     TF_RDMA_COLLECTIVE_SPIN_US with ``auto`` resolved), shares_cores (bool:
-    this host runs more of the cluster's tasks than it has CPUs, so a
-    collective's poll yields the core between its looks), verbs (the RDMA device, or
+    this host runs more of the cluster's tasks than it has CPUs, so a small
+    collective's inline poll yields the core between its looks), verbs (the RDMA device, or
     "unusable: <why>"), pairs (a dict ``{writer, reader, transport}`` per
     connection), regions (a dict ``{id, name, segment, bytes}`` per region;
     ``id`` is what a peer's frames name it by), and the same as lines: pair

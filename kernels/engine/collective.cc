@@ -989,11 +989,13 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
 // (Engine::shares_cores), the poll yields the core between its looks: the
 // peer it waits for is then often runnable on this very core, and a
 // pause-spin would hold the core from it for the whole budget. Measured
-// (P = 4 on 2 vCPUs, 4 KiB, 50 calls back to back): 578 to 583 µs a call
-// with the spin, 448 µs with the yield; an empty call's 411 to 441 µs did
-// not change (docs/benchmarks.md, "Small messages").
-// Cost: the op's thread polls for at most the spin's budget; the result
-// is the same bits as OneShot()'s (same order of operands).
+// (P = 4 on 2 vCPUs, 4 KiB, loops of 100 calls back to back, slowest
+// rank): 578 to 583 µs a call with the pause, 448 µs with the yield, where
+// an empty call took 436 to 441 and 411 to 413 µs (docs/benchmarks.md,
+// "Small messages").
+// Cost: the op's thread polls for at most the spin's budget of its clock
+// (a yield can overrun it by the time slice it gave away); the result is
+// the same bits as OneShot()'s (same order of operands).
 bool Runner::Inlinable() const {
   if (spec_.algorithm != Algorithm::kOneShot) return false;
   uint64_t piece = spec_.kind == CollectiveKind::kAllGather

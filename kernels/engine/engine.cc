@@ -96,7 +96,8 @@ Status Engine::Start(const EngineConfig& config) {
     max_regions_per_peer_ = static_cast<int>(std::max<rlim_t>(
         64, std::min<rlim_t>(kMaxRegionsPerPeer, files.rlim_cur / 4)));
   }
-  // Before started_: collectives read config_.collective_spin_us.
+  // Before started_: collectives read config_.collective_spin_us and
+  // shares_cores_.
   ResolveCollectiveSpin(1 + PredictTransports());
   stopping_ = false;
   started_ = true;
@@ -212,13 +213,9 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
                            std::to_string(ncpus) + " CPU" +
                            (ncpus == 1 ? "" : "s") +
                            (bound ? ", each task bound to its own" : "");
-  std::string why = host;
   shares_cores_ = tasks_here > ncpus;
-  if (config_.collective_spin_us == kAutoSpin) {
-    config_.collective_spin_us = shares_cores_ ? 0 : kAutoSpinUs;
-  } else {
-    why = "TF_RDMA_COLLECTIVE_SPIN_US";
-  }
+  const bool automatic = config_.collective_spin_us == kAutoSpin;
+  if (automatic) config_.collective_spin_us = shares_cores_ ? 0 : kAutoSpinUs;
   std::string limit = std::to_string(kLatencyBoundBytes >> 20) + " MiB";
   spin_choice_ =
       config_.collective_spin_us > 0
@@ -226,11 +223,11 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
                 std::to_string(config_.collective_spin_us) +
                 " us for each block before sleeping"
           : "collectives sleep after a few us without their block";
-  if (why != host) spin_choice_ += " (" + why + ")";
+  if (!automatic) spin_choice_ += " (TF_RDMA_COLLECTIVE_SPIN_US)";
   if (shares_cores_) {
-    spin_choice_ += "; a collective's poll yields the core between its looks";
+    spin_choice_ += "; their inline poll yields the core between its looks";
   }
-  if (why == host || shares_cores_) spin_choice_ += " (" + host + ")";
+  if (automatic || shares_cores_) spin_choice_ += " (" + host + ")";
 }
 
 void Engine::LogCollectiveSpin() {

@@ -254,8 +254,8 @@ class Engine {
   // calls it: a job without collectives is not told).
   void LogCollectiveSpin();
   // Whether this host runs more of the cluster's tasks than it has CPUs
-  // (Start() decides, as for the auto spin): a poll then yields the core
-  // between its looks (collective.cc, the inline path).
+  // (Start() decides, as for the auto spin): the inline path's poll then
+  // yields the core between its looks (collective.cc).
   bool shares_cores() const { return shares_cores_; }
   int listen_port() const { return listen_port_; }
   // A JSON object: task, listen_port, transport (the setting),
