@@ -844,13 +844,20 @@ def combine(docs, nranks):
                      for d in docs]
             if name != DISPATCH and all(waits):
                 extra["median_waited_s"] = statistics.median(
-                    _slowest_rank_waits(per_rank, waits))
+                    _at_slowest_rank(per_rank, waits))
             cpu = [d.get("cpu", {}).get(name, {}).get(str(size))
                    for d in docs]
             if all(cpu):
-                slowest_cpu, off_cpu = _slowest_rank_cpu(per_rank, cpu)
-                extra["median_cpu_s"] = statistics.median(slowest_cpu)
-                extra["median_off_cpu_s"] = statistics.median(off_cpu)
+                # Each call's process CPU time (every thread's). A process
+                # with a thread running all the time it is timed uses at
+                # least that much CPU, so time - CPU (0 if less) is a lower
+                # bound on the time it had no thread on a CPU: asleep
+                # waiting for its peers, or waiting for a core that another
+                # process holds.
+                used = _at_slowest_rank(per_rank, cpu)
+                extra["median_cpu_s"] = statistics.median(used)
+                extra["median_off_cpu_s"] = statistics.median(
+                    max(t - c, 0.0) for t, c in zip(per_run, used))
             bursts = [d.get("back_to_back", {}).get(name, {}).get(str(size))
                       for d in docs]
             if all(bursts):
@@ -913,32 +920,14 @@ def _split_at_the_engine(per_rank, starts, inside):
     return parts
 
 
-def _slowest_rank_cpu(per_rank, cpu):
-    """Per run, the CPU time of its slowest rank during its call, and how
-    long at least none of that rank's threads was on a CPU.
-
-    ``cpu`` holds each call's process CPU time (every thread's). A process
-    with at least one thread running all the time it is timed uses at
-    least that much CPU, so time - CPU (0 if less) is a lower bound on the
-    time it had no thread on a CPU: asleep waiting for its peers, or
-    runnable and waiting for a core that another process holds.
-    """
-    runs = min(len(t) for t in per_rank + cpu)
-    used, off = [], []
-    for i in range(runs):
-        slowest = max(range(len(per_rank)), key=lambda r: per_rank[r][i])
-        used.append(cpu[slowest][i])
-        off.append(max(per_rank[slowest][i] - cpu[slowest][i], 0.0))
-    return used, off
-
-
-def _slowest_rank_waits(per_rank, waits):
-    """Per run, what its slowest rank waited for its peers' blocks."""
-    runs = min(len(t) for t in per_rank + waits)
+def _at_slowest_rank(per_rank, values):
+    """Per run, ``values`` of the run's slowest rank (``values[r][i]`` goes
+    with rank r's time ``per_rank[r][i]``)."""
+    runs = min(len(t) for t in per_rank + values)
     out = []
     for i in range(runs):
         slowest = max(range(len(per_rank)), key=lambda r: per_rank[r][i])
-        out.append(waits[slowest][i])
+        out.append(values[slowest][i])
     return out
 
 
