@@ -77,10 +77,9 @@ their per-call times to a file, which the orchestrator collects:
 
 Timing, the same for every system: every rank builds its input once per
 size, calls each variant twice as warm-up (the first call traces the
-function and sets up the collective), then does --runs rounds (at least SMALL_RUNS = 50 for sizes up to
-1 MiB); in a round
-every variant is timed once (variants interleaved, so a slow phase of the
-machine hits them all). Before every timed call the ranks synchronise with a
+function and sets up the collective), then does --runs rounds (at least
+SMALL_RUNS = 300 for sizes up to 1 MiB); in a round every variant is timed
+once (variants interleaved, so a slow phase of the machine hits them all). Before every timed call the ranks synchronise with a
 4-byte allreduce of the same system (``MPI_Barrier`` for Open MPI, the TCP
 barrier for the floor), then
 each rank times its call until the result is there (for TensorFlow the
@@ -128,6 +127,11 @@ or "not measured", and where one is missed the bound the run has for it:
   empty call and Open MPI (where an empty call, which waits for no peer,
   spends longer off a CPU than Open MPI's whole call takes, the difference
   cannot resolve Open MPI's time); and the same difference back to back.
+  Where the ranks outnumber the CPUs (P = 4 on 2), first the least the
+  difference can be with an exchange that costs nothing: every rank's way
+  into the op runs inside the first rank's call, so that call takes at
+  least (P x the empty call's way in + its way back) / CPUs, while the
+  dispatch taken off is one rank's (``_shared_cpus_bound``).
 """
 
 import argparse
@@ -156,9 +160,13 @@ QUICK_RUNS = 3
 WARMUP = 2
 #: Messages up to this size get at least SMALL_RUNS timed rounds: a call
 #: costs well under a millisecond, and their medians move by 100 µs from run
-#: to run on a 2-vCPU machine with a handful of rounds.
+#: to run on a 2-vCPU machine with a handful of rounds. The 4 KiB target
+#: is a difference of two medians of about 110 µs that must come within
+#: Open MPI's 4 µs: with 50 rounds it moved from 1.2 to 6.5 µs in six runs
+#: (P = 2, 2026-12-06 09:58 to 10:06), with 300 from 1.4 to 4.8 µs in five
+#: (10:06 to 10:08).
 SMALL_SIZE = 1 << 20
-SMALL_RUNS = 50
+SMALL_RUNS = 300
 #: After its rounds, every variant of a size up to SMALL_SIZE is also timed
 #: back to back: BURSTS bursts (after BURST_WARMUP more) of BURST_CALLS
 #: calls each, the ranks synchronised only before a burst.
@@ -284,13 +292,16 @@ class _Rank:
           expected_for: ``(name, expected) -> array or None``: what the
             result of variant ``name`` must equal, given the sum
             (``expected``); None: not checked. Default: the sum.
-          probe: ``() -> (seconds, last)``, read around each timed call
-            (tf_rdma's counters): the seconds this process has spent
-            waiting for its peers so far, and the engine's last collective
-            call (``tf_rdma.stats()["last_collective"]``). Saved per call next
-            to its time: the wait's growth, and the call's admission and
-            end on the caller's clock where the last call changed during
-            the timed one. None: neither is recorded.
+          probe: ``() -> dict or None``, read after each timed call: the
+            engine's last collective call
+            (``tf_rdma.stats()["last_collective"]``). Where it is the timed
+            call (admitted and ended within the caller's readings around
+            it), its wait for peers and its admission and end on the
+            caller's clock are saved next to its time. Never read between
+            the barrier and the call: where the ranks share CPUs, a read
+            there would hold a CPU that a peer's call needs (at P = 4 on 2
+            vCPUs it added about 200 us to a 4 KiB call). None: neither is
+            recorded.
         """
         import numpy as np
         for size in self.args.sizes:
@@ -315,13 +326,12 @@ class _Rank:
                 for name in list(variants):
                     try:
                         sync()
-                        p0 = probe() if probe else None
                         c0 = time.process_time()
                         t0 = time.perf_counter()
                         y = variants[name]()
                         dt = time.perf_counter() - t0
                         c1 = time.process_time()
-                        p1 = probe() if probe else None
+                        last = probe() if probe else None
                     except Exception as err:  # noqa: BLE001 -- reported
                         # The op failed (the peers' calls fail too): the
                         # variant is dropped on this rank.
@@ -357,14 +367,14 @@ class _Rank:
                         # clock for every process of the host.
                         starts[name].append(t0)
                         cpu[name].append(c1 - c0)
-                        if p1 is not None:
-                            waits[name].append(p1[0] - p0[0])
-                            if p1[1] and p1[1] != p0[1]:
-                                inside[name].append(
-                                    [p1[1]["began"], p1[1]["ended"]])
+                        if last and t0 <= last["began"] <= \
+                                last["ended"] <= t0 + dt:
+                            waits[name].append(last["waited"])
+                            inside[name].append([last["began"],
+                                                 last["ended"]])
             for name, ts in times.items():
                 self.doc["times"].setdefault(name, {})[str(size)] = ts
-                if waits[name]:
+                if waits[name] and len(waits[name]) == len(ts):
                     self.doc["waits"].setdefault(name, {})[str(size)] = \
                         waits[name]
                 self.doc["starts"].setdefault(name, {})[str(size)] = \
@@ -504,12 +514,11 @@ def worker_tf_rdma(args):
     me.save()
 
     def probe():
-        # The busy clocks, per kind of wait: the time at least one of the
-        # process's data (credit) waits was in progress. The summed waits
-        # count a oneshot's concurrent waits for its P - 1 peers each.
-        stats = tf_rdma.stats()
-        return (stats["data_wait_busy_seconds"] +
-                stats["credit_wait_busy_seconds"], stats["last_collective"])
+        # Its "waited" is the busy clocks' growth over the call: the time
+        # at least one of its waits (data or credit) was in progress. The
+        # summed waits would count a oneshot's concurrent waits for its
+        # P - 1 peers each.
+        return tf_rdma.stats()["last_collective"]
 
     me.run(variants_for_size, sync, expected_for, probe)
 
@@ -874,6 +883,11 @@ def combine(docs, nranks):
                     split = _split_at_the_engine(per_rank, starts, inside)
                     for part, values in zip(("in", "inside", "out"), split):
                         extra[f"median_{part}_s"] = statistics.median(values)
+                    if all(cpu):
+                        ways = _ways_on_a_cpu(per_rank, starts, inside, cpu)
+                        for part, values in zip(("in", "out"), ways):
+                            extra[f"median_{part}_on_cpu_s"] = \
+                                statistics.median(values)
             results.append(result_entry(
                 name, DISPATCH_OP if name == DISPATCH else OP, size, per_run,
                 nranks, rank0_median_s=statistics.median(
@@ -920,6 +934,35 @@ def _split_at_the_engine(per_rank, starts, inside):
     return parts
 
 
+def _ways_on_a_cpu(per_rank, starts, inside, cpu):
+    """Per run, a rank's way into the op and back, on a CPU.
+
+    A rank's way in runs from its start to its admission by the engine,
+    its way back from its finish there to its end (``inside``, as for
+    :func:`_split_at_the_engine`). Each is its wall time less the time
+    the rank's call had no thread on a CPU (time - process CPU time, 0 if
+    less), taken off the way in first (a lower way in lowers
+    :func:`_shared_cpus_bound` most). Returns two lists: per run, the
+    mean over the ranks of the way in, and the way back of the rank that
+    started first.
+    """
+    runs = min(len(x) for x in per_rank + starts + inside + cpu)
+    ways_in, ways_out = [], []
+    for i in range(runs):
+        on_in, on_out = [], []
+        for t, s, (began, ended), c in zip(
+                (x[i] for x in per_rank), (x[i] for x in starts),
+                (x[i] for x in inside), (x[i] for x in cpu)):
+            off = max(t - c, 0.0)
+            way_in, way_out = began - s, s + t - ended
+            on_in.append(max(way_in - off, 0.0))
+            on_out.append(max(way_out - max(off - way_in, 0.0), 0.0))
+        first = min(range(len(starts)), key=lambda r: starts[r][i])
+        ways_in.append(sum(on_in) / len(on_in))
+        ways_out.append(on_out[first])
+    return ways_in, ways_out
+
+
 def _at_slowest_rank(per_rank, values):
     """Per run, ``values`` of the run's slowest rank (``values[r][i]`` goes
     with rank r's time ``per_rank[r][i]``)."""
@@ -929,6 +972,40 @@ def _at_slowest_rank(per_rank, values):
         slowest = max(range(len(per_rank)), key=lambda r: per_rank[r][i])
         out.append(values[slowest][i])
     return out
+
+
+def _shared_cpus_bound(empty, nranks, cpus):
+    """The least a call after a barrier can take where P ranks share c < P
+    CPUs, from the empty call's parts (``empty``: its result).
+
+    Why: the target takes one dispatch off a call's time, as if the
+    dispatch were each rank's own business. It is not where the ranks
+    outnumber the CPUs. Take the rank that starts the timed call first:
+    every other rank starts it later, so all P ranks' ways into the op
+    (TensorFlow's dispatch up to the engine's admission, H) run after that
+    start, and the first rank's call cannot end before the last of them
+    and its own way back (O) have run, an allreduce needing every rank's
+    input. That is P H + O of CPU on c CPUs: at least (P H + O) / c,
+    whatever the exchange costs and however the kernel schedules them.
+    The empty call waits for no peer and pays H + O, which is what the
+    target subtracts. H and O are the empty call's own medians in the same
+    run, so they cost what a dispatch costs with P ranks on the CPUs: per
+    run the ranks' mean way in and the first rank's way back, each on a
+    CPU (:func:`_ways_on_a_cpu`).
+
+    Returns:
+      None where the ranks do not outnumber the CPUs or a part is
+      missing; else a dict: ``in_s`` (H), ``out_s`` (O), ``cpus`` and
+      ``call_s`` (the least time of the call).
+    """
+    if nranks <= cpus:
+        return None
+    way_in = empty.get("median_in_on_cpu_s")
+    way_out = empty.get("median_out_on_cpu_s")
+    if way_in is None or way_out is None:
+        return None
+    return {"in_s": way_in, "out_s": way_out, "cpus": cpus,
+            "call_s": (nranks * way_in + way_out) / cpus}
 
 
 def busbw(size, nranks, seconds):
@@ -1030,14 +1107,21 @@ def _mpi_bound(mpi, floor, dispatch):
     return "; ".join(parts) or None
 
 
-def checks(results):
+def checks(results, cpus=None):
     """Every target's check: the numbers, the ratio and the verdict.
 
     Printed, never asserted. Returns dicts with ``size_bytes``, ``P``,
     ``target``, ``ratio``, ``verdict`` ("met", "MISSED" or "not
     measured"), ``measured`` (the medians it used), ``bound`` (when
     missed and the run has one) and ``line`` (what is printed).
+
+    Args:
+      results: The results, as ``combine`` gives them.
+      cpus: How many CPUs the ranks ran on (default: this process's
+        affinity, which the ranks inherit).
     """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
     by = _index(results)
     out = []
 
@@ -1122,19 +1206,40 @@ def checks(results):
             waited = by[(name, size, nranks)].get("median_waited_s")
             measured["best_waited_s"] = waited
             bound = ""
+            shared = _shared_cpus_bound(by[(DISPATCH, size, nranks)],
+                                        nranks, cpus)
+            if shared is not None:
+                least = shared["call_s"] - dispatch
+                measured["shared_cpus"] = dict(shared, least_net_s=least)
+                into, out_of, call = (human_time(shared[k]) for k in
+                                      ("in_s", "out_s", "call_s"))
+                bound += (
+                    f"{nranks} ranks share {cpus} CPUs: the first rank to "
+                    f"start cannot finish before every rank has run "
+                    f"TensorFlow's way into the op (the empty call's: {into} "
+                    f"on a CPU) and the first rank its own way back "
+                    f"({out_of}), so its call takes at least ({nranks} x "
+                    f"{into} + {out_of}) / {cpus} = {call} even with an "
+                    f"exchange that costs nothing, and tf_rdma - dispatch "
+                    f"is at least {call} - {human_time(dispatch)} = "
+                    f"{human_time(least)}, "
+                    f"{_times(max(least, 0.0) / mpi)} {OPENMPI}'s time")
+                bound += (f": out of reach on {cpus} CPUs at TensorFlow's "
+                          f"dispatch cost; " if least > mpi else
+                          " (within the target: not what keeps it); ")
             if waited is not None and waited < net:
                 rest = human_time(net - waited)
-                bound = (f"of the {human_time(net)} after the dispatch the "
-                         f"slowest rank waited {human_time(waited)} for its "
-                         f"peers' blocks (they arrive that much later), the "
-                         f"rest, {rest}, is its own work and its threads' "
-                         f"hand-offs; ")
+                bound += (f"of the {human_time(net)} after the dispatch the "
+                          f"slowest rank waited {human_time(waited)} for its "
+                          f"peers' blocks (they arrive that much later), the "
+                          f"rest, {rest}, is its own work and its threads' "
+                          f"hand-offs; ")
             elif waited is not None:
                 # Medians do not subtract exactly: the wait is all of it.
-                bound = (f"the slowest rank waited {human_time(waited)} for "
-                         f"its peers' blocks, as long as all the "
-                         f"{human_time(net)} after the dispatch (they arrive "
-                         f"that much later); ")
+                bound += (f"the slowest rank waited {human_time(waited)} for "
+                          f"its peers' blocks, as long as all the "
+                          f"{human_time(net)} after the dispatch (they arrive "
+                          f"that much later); ")
             late = {system: by[(system, size, nranks)].get(
                         "median_from_last_start_s")
                     for system in (name, DISPATCH, OPENMPI)}

@@ -340,6 +340,75 @@ def test_small_sizes_print_the_difference_back_to_back(bench):
     assert check["measured"]["back_to_back_s"] == back_to_back
 
 
+def test_combine_takes_each_rank_s_ways_in_and_back_on_a_cpu(bench):
+    def doc(rank, starts, times, inside, cpu):
+        return {"rank": rank, "errors": {},
+                "times": {bench.DISPATCH: {"4096": times}},
+                "starts": {bench.DISPATCH: {"4096": starts}},
+                "inside": {bench.DISPATCH: {"4096": inside}},
+                "cpu": {bench.DISPATCH: {"4096": cpu}}}
+    # Run 0: rank 0 starts at 0, is admitted at 100 and finished at 101 us,
+    # ends at 150 us, 10 us off a CPU: in 90, back 49 us. Rank 1 starts at
+    # 20 us, in 100 us (120 - 20), back 30 us, never off a CPU. Mean in 95
+    # us; the first rank's way back: 49 us. Run 1: rank 1 starts first and
+    # is off a CPU 130 us, longer than its way in (100 us): in 0, back 30 -
+    # 30 = 0 us; rank 0: in 80 us. Mean in 40 us, back 0 us.
+    docs = [doc(0, [0.0, 1e-3], [150e-6, 130e-6],
+                [[100e-6, 101e-6], [1.08e-3, 1.081e-3]], [140e-6, 130e-6]),
+            doc(1, [20e-6, 0.99e-3], [131e-6, 131e-6],
+                [[120e-6, 121e-6], [1.09e-3, 1.091e-3]], [131e-6, 1e-6])]
+    results, _ = bench.combine(docs, 2)
+    empty = results[0]
+    # Medians of two runs: (95 + 40) / 2 in, (49 + 0) / 2 back.
+    assert empty["median_in_on_cpu_s"] == pytest.approx(67.5e-6)
+    assert empty["median_out_on_cpu_s"] == pytest.approx(24.5e-6)
+    # A rank without CPU times: neither key.
+    del docs[1]["cpu"]
+    results, _ = bench.combine(docs, 2)
+    assert "median_in_on_cpu_s" not in results[0]
+
+
+def test_ranks_that_outnumber_the_cpus_get_the_dispatch_bound(bench):
+    # The empty call: its ranks' ways into the op 161 us on a CPU, the
+    # first rank's way back 53 us. With 4 ranks on 2 CPUs the first rank's
+    # call takes at least (4 x 161 + 53) / 2 = 348.5 us; the dispatch taken
+    # off is 258 us: at least 90.5 us left, 3.62x Open MPI's 25 us.
+    def results(mpi):
+        out = [entry("tf_rdma-oneshot", 4 * KiB, 925e-6, P=4),
+               entry(bench.DISPATCH, 4 * KiB, 258e-6, P=4),
+               entry(bench.OPENMPI, 4 * KiB, mpi, P=4)]
+        out[1].update(median_in_on_cpu_s=161e-6, median_out_on_cpu_s=53e-6)
+        return out
+
+    target = "best tf_rdma - dispatch <= openmpi's time"
+    check = by_target(bench.checks(results(25e-6), cpus=2), 4 * KiB, 4,
+                      target)
+    assert check["verdict"] == "MISSED"
+    assert check["bound"].startswith(
+        "4 ranks share 2 CPUs: the first rank to start cannot finish before "
+        "every rank has run TensorFlow's way into the op (the empty call's: "
+        "161.0 us on a CPU) and the first rank its own way back (53.0 us), "
+        "so its call takes at least (4 x 161.0 us + 53.0 us) / 2 = 348.5 us "
+        "even with an exchange that costs nothing, and tf_rdma - dispatch "
+        "is at least 348.5 us - 258.0 us = 90.5 us, 3.62x openmpi's time: "
+        "out of reach on 2 CPUs at TensorFlow's dispatch cost; "), \
+        check["bound"]
+    shared = check["measured"]["shared_cpus"]
+    assert shared["call_s"] == pytest.approx(348.5e-6)
+    assert shared["least_net_s"] == pytest.approx(90.5e-6)
+    # An Open MPI slower than the least difference: the bound is printed
+    # but does not say out of reach.
+    check = by_target(bench.checks(results(100e-6), cpus=2), 4 * KiB, 4,
+                      target)
+    assert "= 90.5 us, 0.91x openmpi's time (within the target: not what " \
+        "keeps it); " in check["bound"]
+    # Ranks with a CPU each: no such bound.
+    check = by_target(bench.checks(results(25e-6), cpus=4), 4 * KiB, 4,
+                      target)
+    assert "share" not in check["bound"]
+    assert "shared_cpus" not in check["measured"]
+
+
 def test_1m_bound_names_the_floor_and_the_dispatch(bench):
     results = [entry("tf_rdma-rhd", MiB, 1e-3),
                entry(bench.DISPATCH, MiB, 600e-6),

@@ -16,7 +16,9 @@ two stats() snapshots, and reports the snapshots' difference:
   the slot's meta) on both sides and one regrowth of the payload area;
 - `collective`: `last_collective` is None before the first collective call;
   after two calls of one instance it names the second, admitted and ended
-  within the caller's own perf_counter readings around it.
+  within the caller's own perf_counter readings around it; in a call that
+  worker:1 joins LATE_S late, worker:0 waited about LATE_S and worker:1
+  hardly at all.
 
 The pure-Python `difference` of two snapshots is checked on its own (fast).
 """
@@ -113,6 +115,13 @@ C.all_reduce(tf.ones([64]), name="last_call", algorithm="oneshot").numpy()
 t1 = time.perf_counter()
 result({"scenario": "collective", "first": first, "t0": t0, "t1": t1,
         "last": tf_rdma.stats()["last_collective"]})
+
+# collective_wait: worker:1 joins a call LATE_S after worker:0.
+if me != A:
+    time.sleep(LATE_S)
+C.all_reduce(tf.ones([64]), name="late_call", algorithm="oneshot").numpy()
+result({"scenario": "collective_wait",
+        "last": tf_rdma.stats()["last_collective"]})
 touch("done_" + me[-1])
 wait_file("done_" + peer[-1])
 """
@@ -159,6 +168,22 @@ def test_last_collective_is_timed_on_the_callers_clock(run):
         last = r["last"]
         assert (last["instance"], last["call"]) == ("last_call", 2), last
         assert r["t0"] <= last["began"] <= last["ended"] <= r["t1"], r
+
+
+def test_last_collective_says_how_long_the_call_waited(run):
+    _, out = run
+    last = {}
+    for task in ("worker:0", "worker:1"):
+        reports = [r for r in out[task].results
+                   if r.get("scenario") == "collective_wait"]
+        assert reports, out[task].describe()
+        last[task] = reports[-1]["last"]
+        assert last[task]["instance"] == "late_call", last[task]
+        assert 0 <= last[task]["waited"] <= \
+            last[task]["ended"] - last[task]["began"], last[task]
+    # worker:0 was admitted LATE_S before worker:1 wrote its block.
+    assert last["worker:0"]["waited"] >= 0.8 * LATE_S, last
+    assert last["worker:1"]["waited"] < 0.5 * LATE_S, last
 
 
 def test_bytes_and_transfers_per_step_match_the_plan(run):

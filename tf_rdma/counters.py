@@ -84,12 +84,15 @@ def stats():
           collective whose peers were there) / on an engine thread.
         - ``last_collective``: the last collective call of this process to
           finish, ``{"instance": str, "call": int, "began": float, "ended":
-          float}``, or None before the first. ``began`` (the call was
-          admitted by the engine) and ``ended`` (it finished) are on the
-          clock of ``time.monotonic()`` and ``time.perf_counter()``, one
-          clock for every process of the host: with the caller's own time
-          around the call they split it into TensorFlow's part and
-          tf_rdma's (bench/allreduce.py does).
+          float, "waited": float}``, or None before the first. ``began``
+          (the call was admitted by the engine) and ``ended`` (it finished)
+          are on the clock of ``time.monotonic()`` and
+          ``time.perf_counter()``, one clock for every process of the host:
+          with the caller's own time around the call they split it into
+          TensorFlow's part and tf_rdma's (bench/allreduce.py does).
+          ``waited`` (s): how much of that time the process had a wait for
+          data or a credit in progress (the busy clocks' growth; an op
+          running beside the call counts too).
         - ``time`` (float): ``time.monotonic()`` when the counters were read.
 
         ``counters`` is a dict with the keys of :data:`COUNTERS`:
@@ -115,7 +118,8 @@ def stats():
     if last is not None:
         last = {"instance": last["instance"], "call": int(last["call"]),
                 "began": int(last["began_ns"]) / 1e9,
-                "ended": int(last["ended_ns"]) / 1e9}
+                "ended": int(last["ended_ns"]) / 1e9,
+                "waited": int(last["waited_ns"]) / 1e9}
     return {"task": raw["task"], "last_collective": last,
             "peers": peers, "transports": transports,
             "total": total,

@@ -349,7 +349,9 @@ std::string Engine::Stats() {
       last = "{\"instance\": " + JsonString(*last_collective_) +
              ", \"call\": " + std::to_string(last_collective_call_) +
              ", \"began_ns\": " + ns(last_collective_began_) +
-             ", \"ended_ns\": " + ns(last_collective_ended_) + "}";
+             ", \"ended_ns\": " + ns(last_collective_ended_) +
+             ", \"waited_ns\": " +
+             std::to_string(last_collective_waited_ns_) + "}";
     }
   }
   std::string counters = stats_.Json();  // "{...}"

@@ -265,7 +265,7 @@ class Engine {
   std::string Info();
   // The transfer counters as JSON (TransferStats::Json) with "task" and
   // "last_collective" ({instance, call, began_ns, ended_ns} on the
-  // monotonic clock, or null) added: tf_rdma.stats()
+  // monotonic clock and waited_ns, or null) added: tf_rdma.stats()
   // (docs/observability.md).
   std::string Stats();
 
@@ -653,7 +653,11 @@ class Engine {
     uint64_t running = 0;    // the call in progress; 0: none
     bool failed = false;     // the last call failed
     Clock::time_point began{};  // when `running` was admitted
+    uint64_t busy_at_begin_ns = 0;  // WaitBusyNs() then
   };
+  // The busy clocks of both kinds of wait, summed (TransferStats): the
+  // growth over a call is the time it, or an op beside it, waited.
+  uint64_t WaitBusyNs(Clock::time_point now) const;
   std::mutex stall_mu_;  // guards the fields below
   std::vector<std::shared_ptr<StallWait>> stalls_;
   std::condition_variable stall_cv_;  // the watchdog, asleep while none wait
@@ -662,10 +666,12 @@ class Engine {
   std::map<std::string, CollectivePosition> collectives_;
   // The last collective call of this process to finish (Stats'
   // last_collective): its instance (a key of collectives_; null before the
-  // first), its number and when it was admitted and finished.
+  // first), its number, when it was admitted and finished, and how long
+  // it waited in between (the busy clocks' growth).
   const std::string* last_collective_ = nullptr;
   uint64_t last_collective_call_ = 0;
   Clock::time_point last_collective_began_{}, last_collective_ended_{};
+  uint64_t last_collective_waited_ns_ = 0;
 };
 
 }  // namespace tf_rdma

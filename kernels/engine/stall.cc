@@ -102,12 +102,18 @@ std::string StepWord(const SlotSpec& spec, uint64_t step) {
 
 }  // namespace
 
+uint64_t Engine::WaitBusyNs(Clock::time_point now) const {
+  return stats_.credit_busy.BusyNs(now) + stats_.data_busy.BusyNs(now);
+}
+
 void Engine::CollectiveBegin(const std::string& instance, uint64_t call) {
   const Clock::time_point now = Clock::now();
+  const uint64_t busy = WaitBusyNs(now);
   std::lock_guard<std::mutex> lock(stall_mu_);
   CollectivePosition& c = collectives_[instance];
   c.running = call;
   c.began = now;
+  c.busy_at_begin_ns = busy;
 }
 
 void Engine::CollectiveWaitsBegin(const std::string& instance,
@@ -128,6 +134,7 @@ void Engine::CountCollective(bool inline_path) {
 
 void Engine::CollectiveEnd(const std::string& instance, bool ok) {
   const Clock::time_point now = Clock::now();
+  const uint64_t busy = WaitBusyNs(now);
   std::lock_guard<std::mutex> lock(stall_mu_);
   auto it = collectives_.try_emplace(instance).first;
   CollectivePosition& c = it->second;
@@ -135,6 +142,8 @@ void Engine::CollectiveEnd(const std::string& instance, bool ok) {
   last_collective_call_ = c.running;
   last_collective_began_ = c.began;
   last_collective_ended_ = now;
+  last_collective_waited_ns_ =
+      busy > c.busy_at_begin_ns ? busy - c.busy_at_begin_ns : 0;
   c.completed = std::max(c.completed, c.running);
   c.running = 0;
   c.failed = !ok;
