@@ -131,7 +131,9 @@ or "not measured", and where one is missed the bound the run has for it:
   difference can be with an exchange that costs nothing: every rank's way
   into the op runs inside the first rank's call, so that call takes at
   least (P x the empty call's way in + its way back) / CPUs, while the
-  dispatch taken off is one rank's (``_shared_cpus_bound``).
+  dispatch taken off is one rank's (``_shared_cpus_bound``); and for the
+  speedups over Open MPI there, the least a call can take with every
+  rank's way in and the floor's copies and adds on the shared CPUs.
 """
 
 import argparse
@@ -974,9 +976,10 @@ def _at_slowest_rank(per_rank, values):
     return out
 
 
-def _shared_cpus_bound(empty, nranks, cpus):
+def _shared_cpus_bound(empty, floor, nranks, cpus):
     """The least a call after a barrier can take where P ranks share c < P
-    CPUs, from the empty call's parts (``empty``: its result).
+    CPUs, from the empty call's parts and the floor's CPU time (``empty``,
+    ``floor``: their results; ``floor`` may be None).
 
     Why: the target takes one dispatch off a call's time, as if the
     dispatch were each rank's own business. It is not where the ranks
@@ -991,21 +994,48 @@ def _shared_cpus_bound(empty, nranks, cpus):
     target subtracts. H and O are the empty call's own medians in the same
     run, so they cost what a dispatch costs with P ranks on the CPUs: per
     run the ranks' mean way in and the first rank's way back, each on a
-    CPU (:func:`_ways_on_a_cpu`).
+    CPU (:func:`_ways_on_a_cpu`). Every rank must also copy and add at
+    least the bytes the floor's ranks copy and add, before the first rank
+    can end: F, the floor's CPU time per rank in the same run, so
+    (P (H + F) + O) / c. The small sizes' check passes no floor (F = 0):
+    at 4 KiB and 64 KiB the floor's CPU time is mostly numpy's call
+    overhead, not the bytes.
 
     Returns:
       None where the ranks do not outnumber the CPUs or a part is
-      missing; else a dict: ``in_s`` (H), ``out_s`` (O), ``cpus`` and
-      ``call_s`` (the least time of the call).
+      missing; else a dict: ``in_s`` (H), ``copies_s`` (F), ``out_s``
+      (O), ``cpus`` and ``call_s`` (the least time of the call).
     """
-    if nranks <= cpus:
+    if nranks <= cpus or empty is None:
         return None
     way_in = empty.get("median_in_on_cpu_s")
     way_out = empty.get("median_out_on_cpu_s")
     if way_in is None or way_out is None:
         return None
-    return {"in_s": way_in, "out_s": way_out, "cpus": cpus,
-            "call_s": (nranks * way_in + way_out) / cpus}
+    copies = (floor or {}).get("median_cpu_s") or 0.0
+    return {"in_s": way_in, "copies_s": copies, "out_s": way_out,
+            "cpus": cpus,
+            "call_s": (nranks * (way_in + copies) + way_out) / cpus}
+
+
+def _shared_cpus_text(shared, nranks):
+    """How :func:`_shared_cpus_bound`'s least time comes about, in words."""
+    into, copies, out_of, call = (human_time(shared[k]) for k in
+                                  ("in_s", "copies_s", "out_s", "call_s"))
+    cpus = shared["cpus"]
+    if shared["copies_s"]:
+        return (f"{nranks} ranks share {cpus} CPUs: the first rank to start "
+                f"cannot finish before every rank has run TensorFlow's way "
+                f"into the op (the empty call's: {into} on a CPU) and the "
+                f"floor's copies and adds ({copies} of CPU per rank), and "
+                f"the first rank its own way back ({out_of}), so its call "
+                f"takes at least ({nranks} x ({into} + {copies}) + "
+                f"{out_of}) / {cpus} = {call}")
+    return (f"{nranks} ranks share {cpus} CPUs: the first rank to start "
+            f"cannot finish before every rank has run TensorFlow's way into "
+            f"the op (the empty call's: {into} on a CPU) and the first rank "
+            f"its own way back ({out_of}), so its call takes at least "
+            f"({nranks} x {into} + {out_of}) / {cpus} = {call}")
 
 
 def busbw(size, nranks, seconds):
@@ -1090,9 +1120,11 @@ def _best_text(best, name):
     return f"best tf_rdma ({name[len('tf_rdma-'):]}) {human_time(best)}"
 
 
-def _mpi_bound(mpi, floor, dispatch):
+def _mpi_bound(mpi, floor, dispatch, shared=None, nranks=None):
     """What caps best tf_rdma's speedup over Open MPI: a call costs at least
-    the floor's copies and at least its dispatch."""
+    the floor's copies and at least its dispatch, and where the ranks
+    outnumber the CPUs (``shared``, from :func:`_shared_cpus_bound`) every
+    rank's dispatch and copies on the shared CPUs."""
     parts = []
     if floor:
         parts.append(f"{OPENMPI} / floor = {human_time(mpi)} / "
@@ -1104,6 +1136,9 @@ def _mpi_bound(mpi, floor, dispatch):
         parts.append(f"{OPENMPI} / dispatch = {human_time(mpi)} / "
                      f"{human_time(dispatch)} = {_times(mpi / dispatch)} (a "
                      f"call costs at least its dispatch)")
+    if shared:
+        parts.append(f"{_shared_cpus_text(shared, nranks)}: {OPENMPI} / "
+                     f"that = {_times(mpi / shared['call_s'])}")
     return "; ".join(parts) or None
 
 
@@ -1176,11 +1211,16 @@ def checks(results, cpus=None):
                               f"{goal}: no {missing} result", measured))
             continue
         x = mpi / best
+        shared = _shared_cpus_bound(by.get((DISPATCH, size, nranks)),
+                                    by.get((FLOOR, size, nranks)), nranks,
+                                    cpus)
+        if shared:
+            measured["shared_cpus"] = shared
         out.append(_check(
             size, nranks, goal, x, x >= target,
             f"{_best_text(best, name)} vs {OPENMPI} {human_time(mpi)}: "
             f"{_times(x)} (target >= {target:g}x)", measured,
-            _mpi_bound(mpi, floor, dispatch)))
+            _mpi_bound(mpi, floor, dispatch, shared, nranks)))
 
     # Issue 17: small sizes, the dispatch taken off.
     for size in DISPATCH_SIZES:
@@ -1206,20 +1246,16 @@ def checks(results, cpus=None):
             waited = by[(name, size, nranks)].get("median_waited_s")
             measured["best_waited_s"] = waited
             bound = ""
-            shared = _shared_cpus_bound(by[(DISPATCH, size, nranks)],
+            # Without the floor: at these sizes its CPU time is mostly
+            # numpy's call overhead, not bytes an exchange must move.
+            shared = _shared_cpus_bound(by[(DISPATCH, size, nranks)], None,
                                         nranks, cpus)
             if shared is not None:
                 least = shared["call_s"] - dispatch
                 measured["shared_cpus"] = dict(shared, least_net_s=least)
-                into, out_of, call = (human_time(shared[k]) for k in
-                                      ("in_s", "out_s", "call_s"))
+                call = human_time(shared["call_s"])
                 bound += (
-                    f"{nranks} ranks share {cpus} CPUs: the first rank to "
-                    f"start cannot finish before every rank has run "
-                    f"TensorFlow's way into the op (the empty call's: {into} "
-                    f"on a CPU) and the first rank its own way back "
-                    f"({out_of}), so its call takes at least ({nranks} x "
-                    f"{into} + {out_of}) / {cpus} = {call} even with an "
+                    f"{_shared_cpus_text(shared, nranks)} even with an "
                     f"exchange that costs nothing, and tf_rdma - dispatch "
                     f"is at least {call} - {human_time(dispatch)} = "
                     f"{human_time(least)}, "

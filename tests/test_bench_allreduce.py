@@ -409,6 +409,32 @@ def test_ranks_that_outnumber_the_cpus_get_the_dispatch_bound(bench):
     assert "shared_cpus" not in check["measured"]
 
 
+def test_speedup_bound_adds_the_floor_s_copies_where_ranks_share_cpus(bench):
+    # 1 MiB, 4 ranks on 2 CPUs: ways in 150 us, the floor's copies 200 us
+    # of CPU per rank, the way back 60 us: (4 x 350 + 60) / 2 = 730 us, so
+    # Open MPI's 550 us is 0.75x of the least a call can take.
+    results = [entry("tf_rdma-rhd", MiB, 2e-3, P=4),
+               entry(bench.DISPATCH, MiB, 366e-6, P=4),
+               entry(bench.OPENMPI, MiB, 550e-6, P=4),
+               entry(bench.FLOOR, MiB, 214e-6, P=4)]
+    results[1].update(median_in_on_cpu_s=150e-6, median_out_on_cpu_s=60e-6)
+    results[3]["median_cpu_s"] = 200e-6
+    target = "best tf_rdma >= 1.5x openmpi"
+    check = by_target(bench.checks(results, cpus=2), MiB, 4, target)
+    assert check["verdict"] == "MISSED"
+    assert check["bound"].endswith(
+        "4 ranks share 2 CPUs: the first rank to start cannot finish before "
+        "every rank has run TensorFlow's way into the op (the empty call's: "
+        "150.0 us on a CPU) and the floor's copies and adds (200.0 us of CPU "
+        "per rank), and the first rank its own way back (60.0 us), so its "
+        "call takes at least (4 x (150.0 us + 200.0 us) + 60.0 us) / 2 = "
+        "730.0 us: openmpi / that = 0.75x"), check["bound"]
+    assert check["measured"]["shared_cpus"]["call_s"] == pytest.approx(730e-6)
+    # Ranks with a CPU each: the floor and the dispatch only.
+    check = by_target(bench.checks(results, cpus=4), MiB, 4, target)
+    assert "share" not in check["bound"]
+
+
 def test_1m_bound_names_the_floor_and_the_dispatch(bench):
     results = [entry("tf_rdma-rhd", MiB, 1e-3),
                entry(bench.DISPATCH, MiB, 600e-6),
