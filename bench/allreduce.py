@@ -79,14 +79,15 @@ Timing, the same for every system: every rank builds its input once per
 size, calls each variant twice as warm-up (the first call traces the
 function and sets up the collective), then does --runs rounds (at least
 SMALL_RUNS = 300 for sizes up to 1 MiB); in a round every variant is timed
-once (variants interleaved, so a slow phase of the machine hits them all). Before every timed call the ranks synchronise with a
-4-byte allreduce of the same system (``MPI_Barrier`` for Open MPI, the TCP
-barrier for the floor), then
-each rank times its call until the result is there (for TensorFlow the
-eager call of the ``tf.function`` returns when its output is computed). The
-time of a run is the slowest rank's time (max over ranks: the allreduce is
-done when every rank has the sum); ``median_s`` and ``min_s`` are over those
-per-run maxima. Rank 0's own median is kept as ``rank0_median_s``.
+once (variants interleaved, so a slow phase of the machine hits them all).
+Before every timed call the ranks synchronise with a 4-byte allreduce of
+the same system (``MPI_Barrier`` for Open MPI, the TCP barrier for the
+floor), then each rank times its call until the result is there (for
+TensorFlow the eager call of the ``tf.function`` returns when its output is
+computed). The time of a run is the slowest rank's time (max over ranks:
+the allreduce is done when every rank has the sum); ``median_s`` and
+``min_s`` are over those per-run maxima. Rank 0's own median is kept as
+``rank0_median_s``.
 
 After the rounds, every variant of a size up to SMALL_SIZE (1 MiB) is also
 timed back to back: BURSTS bursts of BURST_CALLS calls (after BURST_WARMUP
@@ -1022,20 +1023,16 @@ def _shared_cpus_text(shared, nranks):
     """How :func:`_shared_cpus_bound`'s least time comes about, in words."""
     into, copies, out_of, call = (human_time(shared[k]) for k in
                                   ("in_s", "copies_s", "out_s", "call_s"))
-    cpus = shared["cpus"]
+    floor, per_rank = "", into
     if shared["copies_s"]:
-        return (f"{nranks} ranks share {cpus} CPUs: the first rank to start "
-                f"cannot finish before every rank has run TensorFlow's way "
-                f"into the op (the empty call's: {into} on a CPU) and the "
-                f"floor's copies and adds ({copies} of CPU per rank), and "
-                f"the first rank its own way back ({out_of}), so its call "
-                f"takes at least ({nranks} x ({into} + {copies}) + "
-                f"{out_of}) / {cpus} = {call}")
-    return (f"{nranks} ranks share {cpus} CPUs: the first rank to start "
-            f"cannot finish before every rank has run TensorFlow's way into "
-            f"the op (the empty call's: {into} on a CPU) and the first rank "
-            f"its own way back ({out_of}), so its call takes at least "
-            f"({nranks} x {into} + {out_of}) / {cpus} = {call}")
+        floor = f" and the floor's copies and adds ({copies} of CPU per rank),"
+        per_rank = f"({into} + {copies})"
+    return (f"{nranks} ranks share {shared['cpus']} CPUs: the first rank to "
+            f"start cannot finish before every rank has run TensorFlow's way "
+            f"into the op (the empty call's: {into} on a CPU){floor} and the "
+            f"first rank its own way back ({out_of}), so its call takes at "
+            f"least ({nranks} x {per_rank} + {out_of}) / {shared['cpus']} = "
+            f"{call}")
 
 
 def busbw(size, nranks, seconds):
