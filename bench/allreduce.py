@@ -217,6 +217,11 @@ DISPATCH_DEFINITION = (
     "tf_rdma-empty: all_reduce of tf.zeros([0]) (tree, 64-byte blocks) in "
     "a tf.function, timed in the same rounds as the algorithms")
 SHM_DIR = "/dev/shm"  # where the floor's ranks map their inboxes
+# The part of the floor's work per rank that the other ranks must have done
+# before a rank can end: all but their last step (a copy of the chunks they
+# received into their own output), one of four steps of equal bytes of
+# which one is an add, so at most a quarter of the work.
+FLOOR_NEEDED_BY_PEERS = 0.75
 MOD = 251  # the inputs are (i mod MOD) + rank: exact sums in float32
 
 LOG_PREFIX = "[allreduce] "
@@ -332,9 +337,8 @@ class _Rank:
                         c0 = time.process_time()
                         t0 = time.perf_counter()
                         y = variants[name]()
-                        dt = time.perf_counter() - t0
+                        t1 = time.perf_counter()
                         c1 = time.process_time()
-                        last = probe() if probe else None
                     except Exception as err:  # noqa: BLE001 -- reported
                         # The op failed (the peers' calls fail too): the
                         # variant is dropped on this rank.
@@ -346,6 +350,8 @@ class _Rank:
                         inside.pop(name)
                         cpu.pop(name)
                         continue
+                    dt = t1 - t0
+                    last = probe() if probe else None
                     expected = expect[name]
                     if expected is not None and (
                             r == 0 or r == WARMUP + runs - 1):
@@ -371,7 +377,7 @@ class _Rank:
                         starts[name].append(t0)
                         cpu[name].append(c1 - c0)
                         if last and t0 <= last["began"] <= \
-                                last["ended"] <= t0 + dt:
+                                last["ended"] <= t1:
                             waits[name].append(last["waited"])
                             inside[name].append([last["began"],
                                                  last["ended"]])
@@ -518,9 +524,9 @@ def worker_tf_rdma(args):
 
     def probe():
         # Its "waited" is the busy clocks' growth over the call: the time
-        # at least one of its waits (data or credit) was in progress. The
-        # summed waits would count a oneshot's concurrent waits for its
-        # P - 1 peers each.
+        # at least one of its data waits was in progress, plus the same for
+        # its credit waits. The summed waits would count a oneshot's
+        # concurrent waits for its P - 1 peers each.
         return tf_rdma.stats()["last_collective"]
 
     me.run(variants_for_size, sync, expected_for, probe)
@@ -995,12 +1001,16 @@ def _shared_cpus_bound(empty, floor, nranks, cpus):
     target subtracts. H and O are the empty call's own medians in the same
     run, so they cost what a dispatch costs with P ranks on the CPUs: per
     run the ranks' mean way in and the first rank's way back, each on a
-    CPU (:func:`_ways_on_a_cpu`). Every rank must also copy and add at
-    least the bytes the floor's ranks copy and add, before the first rank
-    can end: F, the floor's CPU time per rank in the same run, so
-    (P (H + F) + O) / c. The small sizes' check passes no floor (F = 0):
-    at 4 KiB and 64 KiB the floor's CPU time is mostly numpy's call
-    overhead, not the bytes.
+    CPU (:func:`_ways_on_a_cpu`; a process's CPU time counts all its
+    threads, TensorFlow's spinning pool threads too, so this is the cost
+    at TensorFlow's default settings). The ranks must also copy and add
+    the bytes the floor's ranks do (F, the floor's CPU time per rank in the
+    same run) before the first rank can end, except the other ranks' last
+    step, the copy of what they received into their own output: one of
+    four steps of equal bytes, three of them copies and one an add, so at
+    most F / 4. Hence (P H + O + F + (P - 1) 3F/4) / c. The small sizes'
+    check passes no floor (F = 0): at 4 KiB and 64 KiB the floor's CPU
+    time is mostly numpy's call overhead, not the bytes.
 
     Returns:
       None where the ranks do not outnumber the CPUs or a part is
@@ -1014,25 +1024,29 @@ def _shared_cpus_bound(empty, floor, nranks, cpus):
     if way_in is None or way_out is None:
         return None
     copies = (floor or {}).get("median_cpu_s") or 0.0
+    work = (nranks * way_in + way_out + copies +
+            (nranks - 1) * FLOOR_NEEDED_BY_PEERS * copies)
     return {"in_s": way_in, "copies_s": copies, "out_s": way_out,
-            "cpus": cpus,
-            "call_s": (nranks * (way_in + copies) + way_out) / cpus}
+            "cpus": cpus, "call_s": work / cpus}
 
 
 def _shared_cpus_text(shared, nranks):
     """How :func:`_shared_cpus_bound`'s least time comes about, in words."""
     into, copies, out_of, call = (human_time(shared[k]) for k in
                                   ("in_s", "copies_s", "out_s", "call_s"))
-    floor, per_rank = "", into
+    floor, copying = "", ""
     if shared["copies_s"]:
-        floor = f" and the floor's copies and adds ({copies} of CPU per rank),"
-        per_rank = f"({into} + {copies})"
+        share = f"{FLOOR_NEEDED_BY_PEERS:g}"
+        floor = (f" and the floor's copies and adds ({copies} of CPU per "
+                 f"rank; the other ranks' but their last copy, {share} of "
+                 f"it),")
+        copying = f" + {copies} + {nranks - 1} x {share} x {copies}"
     return (f"{nranks} ranks share {shared['cpus']} CPUs: the first rank to "
             f"start cannot finish before every rank has run TensorFlow's way "
             f"into the op (the empty call's: {into} on a CPU){floor} and the "
             f"first rank its own way back ({out_of}), so its call takes at "
-            f"least ({nranks} x {per_rank} + {out_of}) / {shared['cpus']} = "
-            f"{call}")
+            f"least ({nranks} x {into} + {out_of}{copying}) / "
+            f"{shared['cpus']} = {call}")
 
 
 def busbw(size, nranks, seconds):
@@ -1216,8 +1230,10 @@ def checks(results, cpus=None):
         out.append(_check(
             size, nranks, goal, x, x >= target,
             f"{_best_text(best, name)} vs {OPENMPI} {human_time(mpi)}: "
-            f"{_times(x)} (target >= {target:g}x)", measured,
-            _mpi_bound(mpi, floor, dispatch, shared, nranks)))
+            f"{_times(x)} (target >= {target:g}x)" + _estimate_wrong(
+                shared and best < shared["call_s"], shared and
+                shared["call_s"]),
+            measured, _mpi_bound(mpi, floor, dispatch, shared, nranks)))
 
     # Issue 17: small sizes, the dispatch taken off.
     for size in DISPATCH_SIZES:
@@ -1258,7 +1274,8 @@ def checks(results, cpus=None):
                     f"{human_time(least)}, "
                     f"{_times(max(least, 0.0) / mpi)} {OPENMPI}'s time")
                 bound += (f": out of reach on {cpus} CPUs at TensorFlow's "
-                          f"dispatch cost; " if least > mpi else
+                          f"dispatch cost (its default settings); "
+                          if least > mpi else
                           " (within the target: not what keeps it); ")
             if waited is not None and waited < net:
                 rest = human_time(net - waited)
@@ -1366,9 +1383,21 @@ def checks(results, cpus=None):
                 f"{human_time(dispatch)} = {human_time(net)}"
                 f"{'' if net > 0 else ' (none beyond the dispatch)'} vs "
                 f"{OPENMPI} {human_time(mpi)}: {_times(x)} its time "
-                f"(target <= 1x)",
+                f"(target <= 1x)" + _estimate_wrong(
+                    shared and net <= mpi < shared["call_s"] - dispatch,
+                    shared and shared["call_s"] - dispatch),
                 measured, bound))
     return out
+
+
+def _estimate_wrong(wrong, least):
+    """The words a check line adds where it is met although the shared-CPU
+    estimate (:func:`_shared_cpus_bound`) said it could not be: the run
+    shows the estimate too high."""
+    if not wrong:
+        return ""
+    return (f" (the shared-CPU estimate of the least, {human_time(least)}, "
+            f"was above it: wrong in this run)")
 
 
 def check_lines(results):
@@ -1446,7 +1475,8 @@ def orchestrate(args):
               f"P={e['P']} (rank {e['rank']}): {e['error']}")
     for f in failed:
         print(f"FAILED {f['system']} P={f['P']}: {f['why']}")
-    verdicts = checks(results)
+    cpus = len(os.sched_getaffinity(0))
+    verdicts = checks(results, cpus)
     for check in verdicts:
         print("check: " + check["line"])
     run.finish()
@@ -1465,6 +1495,7 @@ def orchestrate(args):
                             "-n P",
                   "calibrate": args.calibrate,
                   "bind": args.bind,
+                  "cpus": cpus,
                   "block_bytes": args.block_bytes,
                   "auto": auto,
                   "skipped": skipped, "failed": failed,

@@ -91,8 +91,9 @@ def stats():
           with the caller's own time around the call they split it into
           TensorFlow's part and tf_rdma's (bench/allreduce.py does).
           ``waited`` (s): how much of that time the process had a wait for
-          data or a credit in progress (the busy clocks' growth; an op
-          running beside the call counts too).
+          data in progress, plus how much it had one for a credit (the two
+          busy clocks' growth, added: where both kinds overlap the time
+          counts twice; an op running beside the call counts too).
         - ``time`` (float): ``time.monotonic()`` when the counters were read.
 
         ``counters`` is a dict with the keys of :data:`COUNTERS`:

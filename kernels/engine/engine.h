@@ -655,8 +655,10 @@ class Engine {
     Clock::time_point began{};  // when `running` was admitted
     uint64_t busy_at_begin_ns = 0;  // WaitBusyNs() then
   };
-  // The busy clocks of both kinds of wait, summed (TransferStats): the
-  // growth over a call is the time it, or an op beside it, waited.
+  // The busy clocks of both kinds of wait, added (TransferStats): the
+  // growth over a call is how long it, or an op beside it, waited for data
+  // plus how long for a credit (overlapping waits of both kinds count
+  // twice).
   uint64_t WaitBusyNs(Clock::time_point now) const;
   std::mutex stall_mu_;  // guards the fields below
   std::vector<std::shared_ptr<StallWait>> stalls_;
