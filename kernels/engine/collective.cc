@@ -254,6 +254,8 @@ class Runner {
   // (reduce_with null: receive by copying).
   Status Exchange(int to, Range send, const uint8_t* send_from, int from,
                   Range recv, const uint8_t* reduce_with);
+  Status RingTurn(int to, Range send, const uint8_t* send_from, int from,
+                  Range reduced, Range gathered);
   Status Flow(const std::vector<int>& from, const std::vector<int>& to,
               Range range, bool reduce, const uint8_t* local);
   Status Send(int to, Range range, const uint8_t* local) {
@@ -265,7 +267,7 @@ class Runner {
 
   // The algorithms.
   Status Ring();
-  Status RingAllGather(int owned_shift, bool pieces);
+  Status RingAllGather(int owned_shift, bool pieces, int first_step = 0);
   Status Lp();
   Status LpChain(const std::vector<int>& order, Range range, bool reduce);
   Status LpAllGather();
@@ -527,12 +529,20 @@ Status Runner::Ring() {
     case CollectiveKind::kReduce:
       break;
   }
+  const bool all = spec_.kind == CollectiveKind::kAllReduce;
   for (int s = 0; s < size_ - 1; ++s) {
+    const uint8_t* from = s == 0 ? src_ : buf_;
+    if (all && s == size_ - 2) {
+      // The turn: the reduce-scatter's last step and the allgather's first
+      // as one loop over blocks.
+      TF_RDMA_RETURN_IF_ERROR(RingTurn(next, Chunk(rank_ - s), from, prev,
+                                       Chunk(rank_ + 1), Chunk(rank_)));
+      return RingAllGather(1, false, /*first_step=*/1);
+    }
     TF_RDMA_RETURN_IF_ERROR(
-        Exchange(next, Chunk(rank_ - s), s == 0 ? src_ : buf_, prev,
-                 Chunk(rank_ - s - 1), src_));
+        Exchange(next, Chunk(rank_ - s), from, prev, Chunk(rank_ - s - 1),
+                 src_));
   }
-  if (spec_.kind == CollectiveKind::kAllReduce) return RingAllGather(1, false);
   if (rank_ != spec_.root) return Send(spec_.root, Chunk(rank_ + 1), buf_);
   for (int q = 0; q < size_; ++q) {
     if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Recv(q, Chunk(q + 1)));
@@ -540,14 +550,55 @@ Status Runner::Ring() {
   return Status::Ok();
 }
 
+// The ring's turn from reduce-scatter to allgather. In the reduce-scatter's
+// last step a rank finishes chunk r+1 block by block, and the allgather's
+// first step sends that chunk on. Run as two loops, the chunk is written
+// whole to the buffer and read back whole to be sent, long out of cache
+// for a large message (a 64 MiB ring at P = 2 spent 19% more CPU than the
+// bench's copy floor, which sends each sum while it is in cache). Here each
+// block of the sum goes to the next rank right after it is reduced: per
+// block k, send k of `send`, receive k and reduce it into `reduced`, send k
+// of `reduced` on, receive k of `gathered` from `from`. Every rank runs the
+// same loop, so a block it waits for has been sent by its neighbour in the
+// same turn of the loop; a channel carries the two steps' blocks in the
+// same order on both ends.
+Status Runner::RingTurn(int to, Range send, const uint8_t* send_from,
+                        int from, Range reduced, Range gathered) {
+  const uint64_t send_blocks = Blocks(send.length);
+  const uint64_t reduced_blocks = Blocks(reduced.length);
+  const uint64_t gathered_blocks = Blocks(gathered.length);
+  const uint64_t blocks =
+      std::max(send_blocks, std::max(reduced_blocks, gathered_blocks));
+  for (uint64_t k = 0; k < blocks; ++k) {
+    const uint64_t at = k * block_;
+    if (k < send_blocks) {
+      TF_RDMA_RETURN_IF_ERROR(SendBlock(to, send_from + send.offset + at,
+                                        std::min(block_, send.length - at)));
+    }
+    if (k < reduced_blocks) {
+      const uint64_t where = reduced.offset + at;
+      const uint64_t n = std::min(block_, reduced.length - at);
+      TF_RDMA_RETURN_IF_ERROR(RecvBlock(from, buf_ + where, n, src_ + where));
+      TF_RDMA_RETURN_IF_ERROR(SendBlock(to, buf_ + where, n));
+    }
+    if (k < gathered_blocks) {
+      const uint64_t where = gathered.offset + at;
+      TF_RDMA_RETURN_IF_ERROR(RecvBlock(
+          from, buf_ + where, std::min(block_, gathered.length - at), nullptr));
+    }
+  }
+  return Status::Ok();
+}
+
 // The ring's allgather phase; rank r starts with chunk (or piece) r+shift.
-Status Runner::RingAllGather(int owned_shift, bool pieces) {
+// Steps before `first_step` are done already (RingTurn did the first).
+Status Runner::RingAllGather(int owned_shift, bool pieces, int first_step) {
   int next = Mod(rank_ + 1), prev = Mod(rank_ - 1);
   auto part = [&](int c) {
     c = Mod(c);
     return pieces ? Pieces(c, c + 1) : Chunk(c);
   };
-  for (int s = 0; s < size_ - 1; ++s) {
+  for (int s = first_step; s < size_ - 1; ++s) {
     int send = rank_ + owned_shift - s;
     TF_RDMA_RETURN_IF_ERROR(
         Exchange(next, part(send), buf_, prev, part(send - 1), nullptr));
