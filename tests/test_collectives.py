@@ -129,6 +129,25 @@ for alg in ALGS:
         count += 1
         if not np.all(np.abs(y - exact) <= bound):
             bad.append([alg, "allreduce-random", dtype, 10007, "sum"])
+
+# A result of at least 8 MiB streams its last copies (StreamCopy in
+# kernels/engine/collective.cc); an odd length puts the chunks' and the
+# pieces' ends inside 16-byte lines, so the copy's head and tail are needed.
+n = (1 << 21) + 13
+for alg in ALGS:
+    for kind in ("allreduce", "broadcast", "allgather"):
+        x = tf.constant(inputs("float32", n)[r].astype(np.float32))
+        root = P - 1
+        if kind == "allreduce":
+            y = C.all_reduce(x, algorithm=alg, block_bytes=1 << 20)
+        elif kind == "broadcast":
+            y = C.broadcast(x, root=root, algorithm=alg, block_bytes=1 << 20)
+        else:
+            y = C.all_gather(x, algorithm=alg, block_bytes=1 << 20)
+        count += 1
+        if not check(y.numpy(), reference(kind, "sum", "float32", n, root),
+                     "float32", "sum"):
+            bad.append([alg, kind, "float32", n, "streamed"])
 result({"bad": bad, "count": count})
 """
 

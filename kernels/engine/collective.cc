@@ -15,6 +15,10 @@
 
 #include <sys/mman.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "kernels/common/sha256.h"
 #include "kernels/engine/engine.h"
 
@@ -164,6 +168,52 @@ InstanceState* GetInstance(const std::string& name) {
 
 uint64_t RoundUp(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
+// Streaming the copies of a large result.
+//
+// What: the copy of a received block into the buffer, where the call reads
+// that block no more (it is not sent on: the last step of an allgather or
+// a broadcast chain), uses non-temporal stores when the result is at least
+// kStreamResultBytes.
+// Why: an ordinary store to a line not in the cache first reads the line
+// (read for ownership), so a memcpy into cold memory moves three bytes for
+// every byte copied; a streaming store writes the line whole without
+// reading it, so two. A result this large does not stay in a core's cache
+// (L2 is 1 to 2 MiB on current servers) for its consumer anyway, and
+// glibc's memcpy streams only copies above its own threshold (114 MiB on
+// the 2-vCPU VM), far above a block. Sends into a peer's channel stay
+// ordinary stores: the peer reads the block within a few blocks, and
+// streaming them made a 64 MiB ring at P = 2 about 20% slower (13.7 to
+// 14.2 ms against 11.1 to 11.9 ms, 2026-12-06).
+// Cost: the same bytes, the same bits; measured in docs/benchmarks.md
+// ("Streaming the result").
+constexpr uint64_t kStreamResultBytes = uint64_t{8} << 20;
+
+// memcpy with non-temporal stores for the 16-byte-aligned part of `dst`
+// (a plain memcpy where the CPU has no SSE2), then a store fence so the
+// bytes are visible to whoever this thread signals next.
+void StreamCopy(uint8_t* dst, const uint8_t* src, uint64_t n) {
+#if defined(__SSE2__)
+  const uint64_t head =
+      std::min<uint64_t>(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  uint64_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    const auto* from = reinterpret_cast<const __m128i*>(src + i);
+    auto* to = reinterpret_cast<__m128i*>(dst + i);
+    __m128i a = _mm_loadu_si128(from), b = _mm_loadu_si128(from + 1);
+    __m128i c = _mm_loadu_si128(from + 2), d = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, a);
+    _mm_stream_si128(to + 1, b);
+    _mm_stream_si128(to + 2, c);
+    _mm_stream_si128(to + 3, d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 // A byte range of the buffer.
 struct Range {
   uint64_t offset = 0;
@@ -191,6 +241,7 @@ class Runner {
         spin_us_(All().length <= kLatencyBoundBytes
                      ? engine_->config().collective_spin_us
                      : 0),
+        stream_results_(All().length >= kStreamResultBytes),
         channels_(*channels) {}
 
   // This rank's input as pieces (StartCollective); src_ is then an
@@ -244,25 +295,30 @@ class Runner {
   Status Fail(const Status& s, const char* verb, int peer) const;
   Status SendBlock(int to, const uint8_t* data, uint64_t nbytes);
   // Receives a block into dst: a copy, or with `local` the reduction
-  // dst = local (op) block.
+  // dst = local (op) block. `last`: this call reads dst no more (the block
+  // is not sent on), so a copy of a large result may stream (StreamCopy).
   Status RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
-                   const uint8_t* local);
+                   const uint8_t* local, bool last = false);
 
   // The two primitives. A range's own data is in the input (src_) until
   // the range is first written, in the buffer after that (RunCollective
   // works out of place): `local`, `send_from` and `reduce_with` say which
   // (reduce_with null: receive by copying).
   Status Exchange(int to, Range send, const uint8_t* send_from, int from,
-                  Range recv, const uint8_t* reduce_with);
+                  Range recv, const uint8_t* reduce_with, bool last = false);
   Status RingTurn(int to, Range send, const uint8_t* send_from, int from,
                   Range reduced, Range gathered);
+  // A Flow's received copies are `last` (RecvBlock) where it sends them to
+  // no one, unless `sent_later`: another step sends them on.
   Status Flow(const std::vector<int>& from, const std::vector<int>& to,
-              Range range, bool reduce, const uint8_t* local);
+              Range range, bool reduce, const uint8_t* local,
+              bool sent_later = false);
   Status Send(int to, Range range, const uint8_t* local) {
     return Flow({}, {to}, range, false, local);
   }
-  Status Recv(int from, Range range) {
-    return Flow({from}, {}, range, false, buf_);
+  // `sent_later`: a later step of the call sends the range on.
+  Status Recv(int from, Range range, bool sent_later) {
+    return Flow({from}, {}, range, false, buf_, sent_later);
   }
 
   // The algorithms.
@@ -329,6 +385,9 @@ class Runner {
   // How long a wait for a block spins before it sleeps (see
   // kLatencyBoundBytes); 0: WaitForWord's few µs.
   const int64_t spin_us_;
+  // The result is large enough for RecvBlock's last copies to stream
+  // (kStreamResultBytes).
+  const bool stream_results_;
   // The slot spec of each (from, to) channel, built on its first use.
   std::map<std::pair<int, int>, SlotSpec>& channels_;
   std::vector<InputPiece> pieces_;  // empty: the input is at src_
@@ -429,7 +488,7 @@ Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {
 }
 
 Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
-                         const uint8_t* local) {
+                         const uint8_t* local, bool last) {
   RecvTicket ticket;
   Status s = engine_->ClaimRecv(Channel(from, rank_), &ticket);
   ticket.nbytes = nbytes;  // the last block may be shorter (counters)
@@ -440,6 +499,8 @@ Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
   if (local != nullptr) {
     reduce_(dst, In(local, nbytes), ticket.payload,
             nbytes / spec_.element_bytes);
+  } else if (last && stream_results_) {
+    StreamCopy(dst, ticket.payload, nbytes);
   } else {
     std::memcpy(dst, ticket.payload, nbytes);
   }
@@ -459,7 +520,8 @@ Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
 // still being consumed. The two ranges are disjoint, so working in place is
 // safe. Used by ring (neighbours) and rhd (partners).
 Status Runner::Exchange(int to, Range send, const uint8_t* send_from,
-                        int from, Range recv, const uint8_t* reduce_with) {
+                        int from, Range recv, const uint8_t* reduce_with,
+                        bool last) {
   uint64_t send_blocks = Blocks(send.length);
   uint64_t recv_blocks = Blocks(recv.length);
   for (uint64_t k = 0; k < std::max(send_blocks, recv_blocks); ++k) {
@@ -473,7 +535,7 @@ Status Runner::Exchange(int to, Range send, const uint8_t* send_from,
       uint64_t where = recv.offset + at;
       TF_RDMA_RETURN_IF_ERROR(
           RecvBlock(from, buf_ + where, std::min(block_, recv.length - at),
-                    reduce_with ? reduce_with + where : nullptr));
+                    reduce_with ? reduce_with + where : nullptr, last));
     }
   }
   return Status::Ok();
@@ -485,14 +547,16 @@ Status Runner::Exchange(int to, Range send, const uint8_t* send_from,
 // block loop: while this rank forwards block k, its upstream already writes
 // block k+1 into the channel, up to `depth` blocks ahead.
 Status Runner::Flow(const std::vector<int>& from, const std::vector<int>& to,
-                    Range range, bool reduce, const uint8_t* local) {
+                    Range range, bool reduce, const uint8_t* local,
+                    bool sent_later) {
+  const bool last = to.empty() && !sent_later;
   for (uint64_t k = 0; k < Blocks(range.length); ++k) {
     uint64_t at = range.offset + k * block_;
     uint64_t n = std::min(block_, range.offset + range.length - at);
     const uint8_t* mine = local + at;  // this rank's data for the block
     for (int f : from) {
       TF_RDMA_RETURN_IF_ERROR(
-          RecvBlock(f, buf_ + at, n, reduce ? mine : nullptr));
+          RecvBlock(f, buf_ + at, n, reduce ? mine : nullptr, last));
       mine = buf_ + at;
     }
     for (int t : to) TF_RDMA_RETURN_IF_ERROR(SendBlock(t, mine, n));
@@ -522,7 +586,8 @@ Status Runner::Ring() {
           if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Send(q, Chunk(q + 1), buf_));
         }
       } else {
-        TF_RDMA_RETURN_IF_ERROR(Recv(spec_.root, Chunk(rank_ + 1)));
+        TF_RDMA_RETURN_IF_ERROR(
+            Recv(spec_.root, Chunk(rank_ + 1), /*sent_later=*/true));
       }
       return RingAllGather(1, false);
     case CollectiveKind::kAllReduce:
@@ -545,7 +610,7 @@ Status Runner::Ring() {
   }
   if (rank_ != spec_.root) return Send(spec_.root, Chunk(rank_ + 1), buf_);
   for (int q = 0; q < size_; ++q) {
-    if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Recv(q, Chunk(q + 1)));
+    if (q != rank_) TF_RDMA_RETURN_IF_ERROR(Recv(q, Chunk(q + 1), false));
   }
   return Status::Ok();
 }
@@ -583,8 +648,9 @@ Status Runner::RingTurn(int to, Range send, const uint8_t* send_from,
     }
     if (k < gathered_blocks) {
       const uint64_t where = gathered.offset + at;
-      TF_RDMA_RETURN_IF_ERROR(RecvBlock(
-          from, buf_ + where, std::min(block_, gathered.length - at), nullptr));
+      TF_RDMA_RETURN_IF_ERROR(
+          RecvBlock(from, buf_ + where, std::min(block_, gathered.length - at),
+                    nullptr, /*last=*/size_ == 2));
     }
   }
   return Status::Ok();
@@ -600,8 +666,9 @@ Status Runner::RingAllGather(int owned_shift, bool pieces, int first_step) {
   };
   for (int s = first_step; s < size_ - 1; ++s) {
     int send = rank_ + owned_shift - s;
-    TF_RDMA_RETURN_IF_ERROR(
-        Exchange(next, part(send), buf_, prev, part(send - 1), nullptr));
+    TF_RDMA_RETURN_IF_ERROR(Exchange(next, part(send), buf_, prev,
+                                     part(send - 1), nullptr,
+                                     /*last=*/s == size_ - 2));
   }
   return Status::Ok();
 }
@@ -677,7 +744,8 @@ Status Runner::LpAllReduce() {
       uint64_t at = (t - lag) * block_;
       uint64_t n = std::min(block_, All().length - at);
       if (v < size_ - 1) {
-        TF_RDMA_RETURN_IF_ERROR(RecvBlock(v + 1, buf_ + at, n, nullptr));
+        TF_RDMA_RETURN_IF_ERROR(
+            RecvBlock(v + 1, buf_ + at, n, nullptr, /*last=*/v == 0));
       }
       if (v > 0) TF_RDMA_RETURN_IF_ERROR(SendBlock(v - 1, buf_ + at, n));
     }
@@ -751,7 +819,8 @@ Status Runner::Tree() {
         return std::min(size_, v + low);
       };
       for (int c : children) {
-        TF_RDMA_RETURN_IF_ERROR(Recv(c, Pieces(c, subtree_end(c))));
+        TF_RDMA_RETURN_IF_ERROR(
+            Recv(c, Pieces(c, subtree_end(c)), /*sent_later=*/true));
       }
       if (parent >= 0) {
         TF_RDMA_RETURN_IF_ERROR(
@@ -820,10 +889,10 @@ Status Runner::Rhd() {
   if (kind != CollectiveKind::kBroadcast && folded) {
     if (nr < 0) {  // odd: hand over, then (maybe) wait for the result
       TF_RDMA_RETURN_IF_ERROR(Send(r - 1, All(), src_));
-      if (kind == CollectiveKind::kAllReduce) return Recv(r - 1, All());
+      if (kind == CollectiveKind::kAllReduce) return Recv(r - 1, All(), false);
       if (r != root) return Status::Ok();
       for (int k = 0; k < active_; ++k) {
-        TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k)));
+        TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k), false));
       }
       return Status::Ok();
     }
@@ -839,10 +908,11 @@ Status Runner::Rhd() {
         }
       }
     } else if (nr >= 0) {
-      TF_RDMA_RETURN_IF_ERROR(Recv(root, RangeOf(nr)));
+      TF_RDMA_RETURN_IF_ERROR(
+          Recv(root, RangeOf(nr), /*sent_later=*/true));
     }
     if (nr < 0) {  // an odd folded rank: the root or waiting for the unfold
-      return r == root ? Status::Ok() : Recv(r - 1, All());
+      return r == root ? Status::Ok() : Recv(r - 1, All(), false);
     }
   }
   auto ranges = HalvingRanges(nr);
@@ -864,7 +934,7 @@ Status Runner::Rhd() {
   if (kind == CollectiveKind::kReduce) {
     if (r != root) return Send(root, RangeOf(nr), buf_);
     for (int k = 0; k < active_; ++k) {
-      if (k != nr) TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k)));
+      if (k != nr) TF_RDMA_RETURN_IF_ERROR(Recv(OldRank(k), RangeOf(k), false));
     }
     return Status::Ok();
   }
@@ -876,7 +946,8 @@ Status Runner::Rhd() {
     int partner = OldRank(nr ^ d);
     TF_RDMA_RETURN_IF_ERROR(Exchange(partner, Elements(own.first, own.second),
                                      buf_, partner,
-                                     Elements(other_lo, other_hi), nullptr));
+                                     Elements(other_lo, other_hi), nullptr,
+                                     /*last=*/2 * d >= active_ && !folded));
   }
   if (folded && !(kind == CollectiveKind::kBroadcast && r + 1 == root)) {
     return Send(r + 1, All(), buf_);
@@ -894,9 +965,12 @@ Status Runner::RhdAllGather() {
   const bool folded = r < 2 * extra_;
   if (folded && nr < 0) {
     TF_RDMA_RETURN_IF_ERROR(Send(r - 1, Pieces(r, r + 1), buf_));
-    return Recv(r - 1, All());
+    return Recv(r - 1, All(), false);
   }
-  if (folded) TF_RDMA_RETURN_IF_ERROR(Recv(r + 1, Pieces(r + 1, r + 2)));
+  if (folded) {
+    TF_RDMA_RETURN_IF_ERROR(
+        Recv(r + 1, Pieces(r + 1, r + 2), /*sent_later=*/true));
+  }
   // The old ranks of new rank k are [OldRank(k), end_old(k)).
   auto first_old = [&](int k) { return OldRank(k); };
   auto end_old = [&](int k) { return k < extra_ ? 2 * k + 2 : k + extra_ + 1; };
@@ -905,7 +979,7 @@ Status Runner::RhdAllGather() {
     TF_RDMA_RETURN_IF_ERROR(Exchange(
         OldRank(nr ^ d), Pieces(first_old(mine), end_old(mine + d - 1)), buf_,
         OldRank(nr ^ d), Pieces(first_old(theirs), end_old(theirs + d - 1)),
-        nullptr));
+        nullptr, /*last=*/2 * d >= active_ && !folded));
   }
   if (folded) return Send(r + 1, All(), buf_);
   return Status::Ok();
@@ -939,7 +1013,7 @@ Status Runner::OneShot() {
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
         TF_RDMA_RETURN_IF_ERROR(
-            RecvBlock(q, buf_ + q * piece + at, n, nullptr));
+            RecvBlock(q, buf_ + q * piece + at, n, nullptr, /*last=*/true));
       }
     }
     return Status::Ok();
@@ -948,7 +1022,8 @@ Status Runner::OneShot() {
     uint64_t n = std::min(block_, length - at);
     if (spec_.kind == CollectiveKind::kBroadcast) {
       if (rank_ != root) {
-        TF_RDMA_RETURN_IF_ERROR(RecvBlock(root, buf_ + at, n, nullptr));
+        TF_RDMA_RETURN_IF_ERROR(
+            RecvBlock(root, buf_ + at, n, nullptr, /*last=*/true));
         continue;
       }
       for (int i = 1; i < size_; ++i) {
