@@ -94,6 +94,21 @@ def test_64m_checks_against_the_floor_and_openmpi(bench):
         "verdict"] == "met"
 
 
+def test_a_ratio_just_short_of_its_target_does_not_print_as_the_target(bench):
+    # 69.89 / 46.60 = 1.49979: "1.50x ... MISSED" would read as a wrong
+    # verdict (the run of 2026-12-06 13:41).
+    size = 64 * MiB
+    results = [entry("tf_rdma-lp", size, 46.60e-3, P=4),
+               entry(bench.OPENMPI, size, 69.89e-3, P=4)]
+    p4 = by_target(bench.checks(results), size, 4,
+                   "best tf_rdma >= 1.5x openmpi")
+    assert p4["verdict"] == "MISSED"
+    assert "1.4998x (target >= 1.5x)" in p4["line"]
+    assert bench._times(1.5, 1.5) == "1.50x"
+    assert bench._times(1.52, 1.5) == "1.52x"
+    assert bench._times(1.0012, 1.0) == "1.0012x"
+
+
 def test_small_sizes_take_the_dispatch_off(bench):
     results = [entry("tf_rdma-ring", 4 * KiB, 120e-6),
                entry(bench.DISPATCH, 4 * KiB, 100e-6),
