@@ -300,12 +300,26 @@ def _program(kind, alg, n, P, r, b):
             else:
                 g.recv(0, chunk(r + 1))
             allgather(1, chunk)
+        elif kind == "allreduce":
+            for s in range(P - 2):
+                g.exchange(nxt, chunk(r - s), prv, chunk(r - s - 1), True)
+            # The turn (Runner::RingTurn): the last reduce-scatter step and
+            # the first allgather step as one loop over blocks.
+            sb, rb, gb = (_blocks(chunk(c), b) for c in (r + 2, r + 1, r))
+            for k in range(max(len(sb), len(rb), len(gb))):
+                if k < len(sb):
+                    g.append(("send", nxt, sb[k]))
+                if k < len(rb):
+                    g.append(("recv", prv, rb[k], True))
+                    g.append(("send", nxt, rb[k]))
+                if k < len(gb):
+                    g.append(("recv", prv, gb[k], False))
+            for s in range(1, P - 1):
+                g.exchange(nxt, chunk(r + 1 - s), prv, chunk(r - s), False)
         else:
             for s in range(P - 1):
                 g.exchange(nxt, chunk(r - s), prv, chunk(r - s - 1), True)
-            if kind == "allreduce":
-                allgather(1, chunk)
-            elif r != 0:
+            if r != 0:
                 g.send(0, chunk(r + 1))
             else:
                 for q in range(1, P):

@@ -38,13 +38,46 @@ def _ring(e, kind, n, P):
             e.p2p(0, q, int(size[(q + 1) % P]), False)
         allgather_phase(1, size)
         return
+    if kind == "allreduce":
+        # The reduce-scatter's last step and the allgather's first run as
+        # one loop over blocks (Runner::RingTurn), the rest as exchanges.
+        for s in range(P - 2):
+            e.exchange(r, nxt, prv, size[(r - s) % P], size[(r - s - 1) % P],
+                       True)
+        e.programs(_ring_turn_programs(size, P, e.b, e.gamma, e.delta))
+        for s in range(1, P - 1):
+            e.exchange(r, nxt, prv, size[(r + 1 - s) % P],
+                       size[(r - s) % P], False)
+        return
     for s in range(P - 1):  # reduce-scatter
         e.exchange(r, nxt, prv, size[(r - s) % P], size[(r - s - 1) % P], True)
-    if kind == "allreduce":
-        allgather_phase(1, size)
-        return
     for q in range(1, P):  # reduce: every rank sends its chunk to the root
         e.p2p(q, 0, int(size[(q + 1) % P]), False)
+
+
+def _ring_turn_programs(size, P, b, gamma, delta):
+    """Every rank's program of ring's turn (Runner::RingTurn): per block k,
+    send k of chunk r+2, receive k of chunk r+1 and reduce it in, send that
+    block on, receive k of chunk r (copied out)."""
+    progs = []
+    for r in range(P):
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        send = int(size[(r + 2) % P])
+        reduced = int(size[(r + 1) % P])
+        gathered = int(size[r])
+        prog = []
+        for k in range(-(-max(send, reduced, gathered) // b)):
+            at = k * b
+            if at < send:
+                prog.append(("send", nxt, min(b, send - at)))
+            if at < reduced:
+                n = min(b, reduced - at)
+                prog.append(("recv", prv, n, gamma))
+                prog.append(("send", nxt, n))
+            if at < gathered:
+                prog.append(("recv", prv, min(b, gathered - at), delta))
+        progs.append(prog)
+    return progs
 
 
 def _lp(e, kind, n, P):
