@@ -125,8 +125,9 @@ or "not measured", and where one is missed the bound the run has for it:
   tf_rdma at the floor would be; from 8 MiB, where the engine streams a
   result's last copies and the floor's numpy copies do not, a tf_rdma call
   can come in a little under the floor, so there it is a reference, not a
-  bound) and Open MPI / dispatch (a call costs at least its dispatch); at the small sizes, where each part of the call's
-  time after the dispatch goes; the CPU and off-CPU times of the call, the
+  bound) and Open MPI / dispatch (a call costs at least its dispatch); at
+  the small sizes, where each part of the call's time after the dispatch
+  goes; the CPU and off-CPU times of the call, the
   empty call and Open MPI (where an empty call, which waits for no peer,
   spends longer off a CPU than Open MPI's whole call takes, the difference
   cannot resolve Open MPI's time); and the same difference back to back.

@@ -287,8 +287,8 @@ def _program(kind, alg, n, P, r, b):
     chunk = lambda c: n * (mod(c) + 1) // P - n * mod(c) // P  # noqa: E731
     nxt, prv = mod(r + 1), mod(r - 1)
     if alg == "ring":
-        def allgather(shift, size):
-            for s in range(P - 1):
+        def allgather(shift, size, first=0):
+            for s in range(first, P - 1):
                 g.exchange(nxt, size(r + shift - s), prv,
                            size(r + shift - s - 1), False)
         if kind == "allgather":
@@ -314,8 +314,7 @@ def _program(kind, alg, n, P, r, b):
                     g.append(("send", nxt, rb[k]))
                 if k < len(gb):
                     g.append(("recv", prv, gb[k], False))
-            for s in range(1, P - 1):
-                g.exchange(nxt, chunk(r + 1 - s), prv, chunk(r - s), False)
+            allgather(1, chunk, first=1)
         else:
             for s in range(P - 1):
                 g.exchange(nxt, chunk(r - s), prv, chunk(r - s - 1), True)

@@ -165,8 +165,9 @@ def calibrate(group=None, probe_bytes=1 << 20, repeats=5, timeout=None):
     γ is the per-byte time of a local reduction out of place (numpy add into
     a third array, as a receiver reduces its input and a block in its
     channel into its buffer) and δ that of a local copy (what a receiver
-    pays to copy a block out of its channel), so β = bandwidth term − δ. Rank 0's numbers are broadcast so that "auto"
-    makes the same choice on every rank. Call it on every rank, after the
+    pays to copy a block out of its channel), so β = bandwidth term − δ.
+    Rank 0's numbers are broadcast so that "auto" makes the same choice on
+    every rank. Call it on every rank, after the
     endpoint started. With one rank it measures only γ and δ.
 
     Each probe (both sizes, both roots) is called once before it is timed

@@ -25,8 +25,9 @@ def _ring(e, kind, n, P):
     nxt, prv = (r + 1) % P, (r - 1) % P
     size = _chunks(n, P)
 
-    def allgather_phase(shift, sizes):
-        for s in range(P - 1):
+    # Steps before `first` are done already (the turn did the first).
+    def allgather_phase(shift, sizes, first=0):
+        for s in range(first, P - 1):
             e.exchange(r, nxt, prv, sizes[(r + shift - s) % P],
                        sizes[(r + shift - s - 1) % P], False)
 
@@ -45,9 +46,7 @@ def _ring(e, kind, n, P):
             e.exchange(r, nxt, prv, size[(r - s) % P], size[(r - s - 1) % P],
                        True)
         e.programs(_ring_turn_programs(size, P, e.b, e.gamma, e.delta))
-        for s in range(1, P - 1):
-            e.exchange(r, nxt, prv, size[(r + 1 - s) % P],
-                       size[(r - s) % P], False)
+        allgather_phase(1, size, first=1)
         return
     for s in range(P - 1):  # reduce-scatter
         e.exchange(r, nxt, prv, size[(r - s) % P], size[(r - s - 1) % P], True)
