@@ -758,19 +758,31 @@ def worker_main(args):
 
 
 def _tf_rdma_missing():
-    """Why tf_rdma's collectives cannot run here, or None."""
-    try:
-        import importlib.util
-        import tf_rdma.ops  # noqa: F401 -- loads the op library (and TF)
-        spec = importlib.util.find_spec("tf_rdma.collectives")
-    except Exception as err:  # noqa: BLE001 -- reported as the reason
-        return f"import tf_rdma failed: {type(err).__name__}: {err}"
-    if spec is None:
-        return "tf_rdma.collectives does not exist in this checkout"
-    with open(spec.origin) as f:
-        if "def all_reduce" not in f.read():
-            return "tf_rdma.collectives has no all_reduce yet"
-    return None
+    """Why tf_rdma's collectives cannot run here, or None.
+
+    Asked of a child process, as the workers will meet it: the orchestrator
+    itself never loads TensorFlow (whose start-up notices would be the
+    first lines a reader sees).
+    """
+    probe = subprocess.run(
+        [sys.executable, "-c", _TF_RDMA_PROBE], cwd=REPO, env=worker_env(),
+        capture_output=True, text=True, timeout=300)
+    if probe.returncode == 0:
+        return probe.stdout.strip() or None
+    return (f"import tf_rdma failed: "
+            f"{(probe.stderr.strip().splitlines() or ['?'])[-1][-300:]}")
+
+
+# Prints why tf_rdma's collectives are missing (nothing: they are there).
+_TF_RDMA_PROBE = """
+import importlib.util
+import tf_rdma.ops  # loads the op library (and TF)
+spec = importlib.util.find_spec("tf_rdma.collectives")
+if spec is None:
+    print("tf_rdma.collectives does not exist in this checkout")
+elif "def all_reduce" not in open(spec.origin).read():
+    print("tf_rdma.collectives has no all_reduce yet")
+"""
 
 
 def _mpi_missing():
@@ -1607,8 +1619,6 @@ def main(argv=None):
         args.timeout = 300.0 if args.quick else 900.0
     if args.worker:
         return worker_main(args)
-    # The orchestrator imports tf_rdma (TensorFlow) for free_ports only.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return orchestrate(args)
 
 

@@ -55,6 +55,19 @@ def test_algorithms_come_from_tf_rdma_without_tensorflow():
     assert out.stdout.split()[-1] == "auto"
 
 
+def test_the_probe_for_tf_rdma_leaves_tensorflow_out_of_the_orchestrator():
+    # It loads the op library in a child: the orchestrator prints no
+    # TensorFlow start-up notice of its own (some CPUs get them whatever
+    # the log level), and finds tf_rdma's collectives here.
+    code = ("import sys; sys.path.insert(0, 'bench'); import allreduce; "
+            "assert allreduce._tf_rdma_missing() is None; "
+            "assert 'tensorflow' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"] and out.stderr == "", out.stderr
+
+
 def test_the_dispatch_is_never_the_best_algorithm(bench):
     results = [entry("tf_rdma-ring", 4 * KiB, 300e-6),
                entry("tf_rdma-lp", 4 * KiB, 200e-6),

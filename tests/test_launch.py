@@ -230,6 +230,10 @@ LAUNCHES = {
         ["-n", "1", "--timeout-start", START_TIMEOUT_S, "--", *python("""
             import os, sys
             print("SECRET " + os.environ["TF_RDMA_SECRET"], flush=True)
+            # TensorFlow's start-up notice, a line of its own and a line
+            # that never ends: only the notice is dropped.
+            sys.stderr.write("WARNING: All log messages before absl::InitializeLog() "
+                             "is called are written to STDERR\\nOWN LINE\\nUNENDED")
             sys.exit(3)
         """)],
         None,
@@ -338,6 +342,9 @@ def test_client_gets_cluster_secret_and_offset(launches):
     cluster = config["cluster"]
     assert {job: len(tasks) for job, tasks in cluster.items()} == {"worker": 2, "ps": 1}, cluster
     assert launch.wait_for(r"^SECRET (.*)$", stream="stdout")[1][1] == SECRET
+    # TensorFlow's start-up notices (printed whatever the log level on some
+    # CPUs) reach no one: the client's stderr passes through the launcher.
+    assert not launch.has(r"absl::InitializeLog|oneDNN custom operations"), launch.output()
 
     # Every server said it was ready at its gRPC address with its endpoint at
     # gRPC port + TF_RDMA_PORT_OFFSET.
@@ -377,6 +384,10 @@ def test_command_exit_status_and_generated_secret(launches):
     assert re.fullmatch(r"[0-9a-f]{64}", launch.wait_for(r"^SECRET (.*)$", stream="stdout")[1][1])
     launch.wait_for(r"^tf-rdma launch: cluster ready: ")
     assert wait_dead(launch.server_pids(), 5), launch.output()
+    # The command's stderr passed through the launcher without the notice.
+    launch.wait_for(r"^OWN LINE$")
+    launch.wait_for(r"^UNENDED")
+    assert not launch.has(r"absl::InitializeLog"), launch.output()
 
 
 def test_command_killed_by_signal(launches):
@@ -542,6 +553,57 @@ def test_tensorflow_start_up_notices_are_dropped_unless_asked_for():
     assert launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert not launch._quiet_tensorflow({"TF_CPP_MIN_LOG_LEVEL": "0"})
     assert not launch._quiet_tensorflow({})
+
+
+@pytest.mark.fast
+def test_forwarding_drops_notices_and_holds_a_partial_line_briefly():
+    from tf_rdma import launch
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    read_end, write_end = os.pipe()
+    got, changed = [], threading.Condition()
+
+    def write(data):
+        with changed:
+            got.append(data)
+            changed.notify_all()
+
+    def received():
+        with changed:
+            return b"".join(got)
+
+    def wait_for(text):
+        with changed:
+            assert changed.wait_for(lambda: b"".join(got) == text, timeout=10), got
+
+    forwarder = threading.Thread(target=launch.forward_dropping_notices,
+                                 args=(read_end, write, env))
+    forwarder.start()
+    try:
+        os.write(write_end, b"WARNING: All log messages before absl::InitializeLog() is "
+                            b"called are written to STDERR\nkept\npart")
+        # "part" may be the start of a notice: held back, then forwarded
+        # unended after _PARTIAL_LINE_S; its rest follows as it comes.
+        wait_for(b"kept\npart")
+        os.write(write_end, b"ial\nI0000 00:00:1796379241.964989    5316 port.cc:153] "
+                            b"oneDNN custom operations are on.\n\rbar 10%")
+        wait_for(b"kept\npartial\n\rbar 10%")
+        os.write(write_end, b"\rbar 20%")
+    finally:
+        os.close(write_end)
+        forwarder.join(10)
+        os.close(read_end)
+    assert not forwarder.is_alive()
+    assert received() == b"kept\npartial\n\rbar 10%\rbar 20%"
+    # A log level that asks for INFO keeps the notices.
+    read_end, write_end = os.pipe()
+    notice = b"WARNING: All log messages before absl::InitializeLog() is called\n"
+    os.write(write_end, notice)
+    os.close(write_end)
+    got.clear()
+    launch.forward_dropping_notices(read_end, write, {"TF_CPP_MIN_LOG_LEVEL": "0"})
+    os.close(read_end)
+    assert received() == notice
 
 
 @pytest.mark.fast

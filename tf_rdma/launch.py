@@ -40,6 +40,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shlex
 import signal
 import site
@@ -100,7 +101,7 @@ environment:
   TF_RDMA_PORT_OFFSET  endpoint port = gRPC port + offset (default 1000)
   TF_CPP_MIN_LOG_LEVEL TensorFlow's C++ log level in the tasks (default here: 2, warnings and
                        INFO off, and TensorFlow's start-up notices dropped from the servers'
-                       output; 0 shows them all)
+                       and CMD's stderr; 0 shows them all)
   TF_RDMA_TRANSPORT    and every other variable is passed through to servers and CMD
 
 exit status:
@@ -398,11 +399,76 @@ def hides_tensorflow_notice(line, env):
     return _quiet_tensorflow(env) and bool(_TF_STARTUP_NOTICE.search(line))
 
 
+# How long a partial line of the command's stderr is held back before it is
+# forwarded anyway (it might have been the start of a notice; a progress bar
+# redrawn with \r never ends its line).
+_PARTIAL_LINE_S = 0.1
+
+
+def forward_dropping_notices(fd, write, env):
+    """Copies the bytes read from `fd` to `write` (a function of bytes) until
+    end of file, dropping whole lines that `hides_tensorflow_notice` hides
+    for `env`.
+
+    Lines pass as they end; a line that has not ended after _PARTIAL_LINE_S
+    passes as far as it has come, and the rest of it as it arrives.
+    """
+    pending = b""     # the start of a line not forwarded yet
+    passing = False   # the current line's start was forwarded already
+    while True:
+        if pending:
+            readable, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
+            if not readable:
+                write(pending)
+                pending, passing = b"", True
+                continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        data, pending = pending + chunk, b""
+        kept = []
+        while data:
+            end = data.find(b"\n") + 1
+            if end == 0:
+                if passing:
+                    kept.append(data)
+                else:
+                    pending = data
+                break
+            line, data = data[:end], data[end:]
+            if passing or not hides_tensorflow_notice(
+                    line.decode("utf-8", errors="replace").rstrip("\r\n"), env):
+                kept.append(line)
+            passing = False
+        if kept:
+            write(b"".join(kept))
+    if pending:
+        write(pending)
+
+
 class _Output:
     """Serializes the launcher's and the servers' lines on stderr."""
 
     def __init__(self):
         self._lock = threading.Lock()
+
+    def write_bytes(self, data):
+        """Writes `data` as it is (the command's own stderr) and flushes."""
+        with self._lock:
+            try:
+                buffer = getattr(sys.stderr, "buffer", None)
+                if buffer is not None:
+                    sys.stderr.flush()
+                    buffer.write(data)
+                    buffer.flush()
+                else:
+                    sys.stderr.write(data.decode("utf-8", errors="replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
 
     def write(self, line, stream=None):
         stream = stream or sys.stderr
@@ -497,6 +563,7 @@ class _Launcher:
         self.signal_count = 0  # how many it got: a second one cuts the teardown short
         self.servers = []
         self.cmd = None
+        self.cmd_stderr = None  # the thread forwarding its stderr, if any
         self.pids = []
 
         env = os.environ
@@ -602,11 +669,21 @@ class _Launcher:
 
         env = dict(base_env)
         env["TF_CONFIG"] = json.dumps({"cluster": self.cluster})
+        # The command's stderr passes through the launcher where TensorFlow's
+        # start-up notices are to be dropped (its stdout stays its own).
+        quiet = _quiet_tensorflow(env)
         try:
-            self.cmd = subprocess.Popen(self.command, env=env, preexec_fn=preexec)
+            self.cmd = subprocess.Popen(self.command, env=env, preexec_fn=preexec,
+                                        stderr=subprocess.PIPE if quiet else None)
         except OSError as err:
             self.out.say(f"could not run {_one_line(self.command)}: {err}")
             return 126 if isinstance(err, PermissionError) else 127
+        if quiet:
+            self.cmd_stderr = threading.Thread(
+                target=forward_dropping_notices,
+                args=(self.cmd.stderr.fileno(), self.out.write_bytes, env),
+                name="tf-rdma-launch command stderr", daemon=True)
+            self.cmd_stderr.start()
         self.pids.append(self.cmd.pid)
         self.out.say(
             f"cluster ready: {json.dumps(self.cluster)}; running {_one_line(self.command)} "
@@ -732,6 +809,7 @@ class _Launcher:
             except subprocess.TimeoutExpired:
                 returncode = None
             if returncode is not None:
+                self._join_command_output()
                 return _exit_status(returncode)
             if self.signal is not None:
                 self.out.say(f"{_signal_name(self.signal)}: stopping the command and the cluster")
@@ -748,6 +826,12 @@ class _Launcher:
                         "running; stopping the command",
                     )
                     return 1
+
+    def _join_command_output(self, timeout=2.0):
+        """Waits (bounded: a child of the command may hold its stderr open)
+        until the command's stderr is forwarded to its end."""
+        if self.cmd_stderr is not None:
+            self.cmd_stderr.join(timeout)
 
     def _report_failure(self, server, message):
         lines = list(server.tail)
@@ -787,6 +871,7 @@ class _Launcher:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 pass
+        self._join_command_output()
         if killed:
             why = (
                 f"after {TERM_GRACE_S:g} s without exiting"
