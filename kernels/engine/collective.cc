@@ -135,6 +135,15 @@ namespace {
 // blocks share channels), and the first failure sticks. A call holds the
 // instance from its admission to its end, which may come on another thread
 // than its start (the inline path), so a flag rather than a held mutex.
+// A channel's slot spec (Runner::Channel), and the engine's slots for it
+// once claimed: later claims skip their lookup by name (Engine::ClaimSend's
+// `known`).
+struct ChannelSlots {
+  SlotSpec spec;
+  SendSlot* send = nullptr;
+  RecvSlot* recv = nullptr;
+};
+
 struct InstanceState {
   std::mutex mu;  // guards everything below but `channels`
   std::condition_variable idle;  // notified when `busy` clears
@@ -152,7 +161,7 @@ struct InstanceState {
   std::string call_describe;  // "allreduce 'grads'"
   // Runner::Channel's slot specs for checked_spec, used only by the call
   // that holds the instance (busy), so without `mu`.
-  std::map<std::pair<int, int>, SlotSpec> channels;
+  std::map<std::pair<int, int>, ChannelSlots> channels;
 };
 
 std::mutex g_instances_mu;
@@ -225,7 +234,7 @@ class Runner {
   // `spec` and `hash` outlive the runner; `channels` are the instance's
   // (InstanceState), kept from call to call.
   Runner(const CollectiveSpec& spec, const std::string& hash,
-         std::map<std::pair<int, int>, SlotSpec>* channels,
+         std::map<std::pair<int, int>, ChannelSlots>* channels,
          const uint8_t* src, uint8_t* buf, const ReduceFn& reduce)
       : spec_(spec),
         src_(src),
@@ -291,7 +300,17 @@ class Runner {
   const uint8_t* In(const uint8_t* p, uint64_t n);
 
   // Channels and blocks.
-  const SlotSpec& Channel(int from, int to);
+  const SlotSpec& Channel(int from, int to) { return Slots(from, to).spec; }
+  ChannelSlots& Slots(int from, int to);
+  // Claims the next block of the channel to `to` (from `from`).
+  Status ClaimSendTo(int to, SendTicket* ticket) {
+    ChannelSlots& c = Slots(rank_, to);
+    return engine_->ClaimSend(c.spec, ticket, 0, &c.send);
+  }
+  Status ClaimRecvFrom(int from, RecvTicket* ticket) {
+    ChannelSlots& c = Slots(from, rank_);
+    return engine_->ClaimRecv(c.spec, ticket, 0, &c.recv);
+  }
   Status Fail(const Status& s, const char* verb, int peer) const;
   Status SendBlock(int to, const uint8_t* data, uint64_t nbytes);
   // Receives a block into dst: a copy, or with `local` the reduction
@@ -389,7 +408,7 @@ class Runner {
   // (kStreamResultBytes).
   const bool stream_results_;
   // The slot spec of each (from, to) channel, built on its first use.
-  std::map<std::pair<int, int>, SlotSpec>& channels_;
+  std::map<std::pair<int, int>, ChannelSlots>& channels_;
   std::vector<InputPiece> pieces_;  // empty: the input is at src_
   std::vector<uint8_t> gathered_;
 };
@@ -427,7 +446,7 @@ const uint8_t* Runner::In(const uint8_t* p, uint64_t n) {
 // block, alone in a region of the receiver's named after the instance and
 // both tasks (so instances never share memory, and concurrent instances
 // never interleave blocks).
-const SlotSpec& Runner::Channel(int from, int to) {
+ChannelSlots& Runner::Slots(int from, int to) {
   auto key = std::make_pair(from, to);
   auto it = channels_.find(key);
   if (it != channels_.end()) return it->second;
@@ -445,7 +464,7 @@ const SlotSpec& Runner::Channel(int from, int to) {
   s.credit_bytes = RoundUp(kCreditLineBytes * s.depth, kPageBytes);
   s.credit_index = 0;
   s.timeout_ms = spec_.timeout_ms;
-  return channels_.emplace(key, s).first->second;
+  return channels_.emplace(key, ChannelSlots{s}).first->second;
 }
 
 // A rank that times out waiting for one peer may be waiting on a healthy
@@ -462,7 +481,7 @@ Status Runner::Fail(const Status& s, const char* verb, int peer) const {
   for (const auto& kv : channels_) {
     if (kv.first.first != rank_) continue;
     uint64_t written = 0, released = 0;
-    if (engine_->SendProgress(kv.second, &written, &released) &&
+    if (engine_->SendProgress(kv.second.spec, &written, &released) &&
         written > released) {
       behind += (behind.empty() ? "" : ", ") + spec_.group[kv.first.second] +
                 " (has released block " + std::to_string(released) + " of " +
@@ -479,7 +498,7 @@ Status Runner::Fail(const Status& s, const char* verb, int peer) const {
 Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {
   data = In(data, nbytes);
   SendTicket ticket;
-  Status s = engine_->ClaimSend(Channel(rank_, to), &ticket);
+  Status s = ClaimSendTo(to, &ticket);
   if (s.ok()) {
     ticket.nbytes = nbytes;
     s = engine_->FinishSend(ticket, data);
@@ -490,7 +509,7 @@ Status Runner::SendBlock(int to, const uint8_t* data, uint64_t nbytes) {
 Status Runner::RecvBlock(int from, uint8_t* dst, uint64_t nbytes,
                          const uint8_t* local, bool last) {
   RecvTicket ticket;
-  Status s = engine_->ClaimRecv(Channel(from, rank_), &ticket);
+  Status s = ClaimRecvFrom(from, &ticket);
   ticket.nbytes = nbytes;  // the last block may be shorter (counters)
   ticket.spin_us = spin_us_;
   if (s.ok()) s = engine_->FinishRecv(&ticket);
@@ -1065,7 +1084,7 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
       first[q] = mine;
       continue;
     }
-    Status s = engine_->ClaimRecv(Channel(q, rank_), &held[q]);
+    Status s = ClaimRecvFrom(q, &held[q]);
     held[q].nbytes = n;
     held[q].spin_us = spin_us_;
     if (s.ok()) s = engine_->FinishRecv(&held[q]);
@@ -1185,7 +1204,7 @@ bool Runner::SendOneBlock(bool may_wait, Status* status) {
     Status s;
     if (!send_claimed_) {
       send_ = SendTicket();  // (a credit wait noted on the last send ended)
-      s = engine_->ClaimSend(Channel(rank_, to), &send_);
+      s = ClaimSendTo(to, &send_);
       if (!s.ok()) {
         *status = Fail(s, "sending to", to);
         return true;
@@ -1214,7 +1233,7 @@ bool Runner::RecvOneBlock(bool may_wait, Status* status) {
     recvs_.resize(recv_from_.size());
     arrived_.assign(recv_from_.size(), 0);
     for (size_t i = 0; i < recv_from_.size(); ++i) {
-      Status s = engine_->ClaimRecv(Channel(recv_from_[i], rank_), &recvs_[i]);
+      Status s = ClaimRecvFrom(recv_from_[i], &recvs_[i]);
       if (!s.ok()) {
         *status = Fail(s, "receiving from", recv_from_[i]);
         for (size_t j = 0; j < i; ++j) engine_->CancelRecv(&recvs_[j], s);
@@ -1366,13 +1385,17 @@ Status Runner::Run() {
 }
 
 // One call of a collective, from its admission to its end.
+// Its spec, plan hash and name are the instance's, which no other call
+// changes while this one holds the instance (busy): not copied per call.
 struct Call {
-  CollectiveSpec spec;
-  std::string hash;
   InstanceState* state = nullptr;
   uint64_t number = 0;  // of the instance's calls: the step traces name
   int64_t traced_since = 0;
-  std::string describe;  // as the stall lines name it, "allreduce 'grads'"
+  // Equal to the call's spec in every field (Admit).
+  const CollectiveSpec& spec() const { return state->checked_spec; }
+  const std::string& hash() const { return state->hash; }
+  // As the stall lines name it, "allreduce 'grads'".
+  const std::string& describe() const { return state->call_describe; }
 };
 
 // Admits a call: checks the endpoint, the spec and the instance (poisoned,
@@ -1433,12 +1456,9 @@ Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
   }
   state->busy = true;
   *taken = true;
-  call->spec = spec;
-  call->hash = state->hash;
   call->state = state;
   call->number = ++state->calls;
   call->traced_since = trace::Claim();
-  call->describe = state->call_describe;
   engine->CollectiveBegin(spec.instance, call->number);
   return Status::Ok();
 }
@@ -1448,7 +1468,7 @@ Status Admit(const CollectiveSpec& spec, bool may_wait, Call* call,
 // then the instance is free for its next call.
 void Finish(const Call& call, const Status& s, bool inline_path) {
   Engine* engine = Engine::Get();
-  const CollectiveSpec& spec = call.spec;
+  const CollectiveSpec& spec = call.spec();
   engine->CollectiveEnd(spec.instance, s.ok());
   engine->CountCollective(inline_path);
   if (call.traced_since != 0) {
@@ -1482,7 +1502,8 @@ void Finish(const Call& call, const Status& s, bool inline_path) {
 // after it for the stall inspector.
 Status AdvanceToEnd(const Call& call, Runner* runner) {
   Engine* engine = Engine::Get();
-  engine->CollectiveWaitsBegin(call.spec.instance, call.describe, call.number);
+  engine->CollectiveWaitsBegin(call.spec().instance, call.describe(),
+                               call.number);
   Status s;
   runner->Advance(/*may_wait=*/true, &s);
   engine->CollectiveWaitsEnd();
@@ -1496,7 +1517,7 @@ Status RunCollective(const CollectiveSpec& spec, const uint8_t* src,
   Call call;
   bool taken = false;
   TF_RDMA_RETURN_IF_ERROR(Admit(spec, /*may_wait=*/true, &call, &taken));
-  Runner runner(call.spec, call.hash, &call.state->channels, src, buf,
+  Runner runner(call.spec(), call.hash(), &call.state->channels, src, buf,
                 reduce);
   Status s = AdvanceToEnd(call, &runner);
   Finish(call, s, /*inline_path=*/false);
@@ -1561,7 +1582,7 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
       bool admitted = false;
       Status s = Admit(copy, /*may_wait=*/true, &started->call, &admitted);
       if (s.ok()) {
-        Runner runner(started->call.spec, started->call.hash,
+        Runner runner(started->call.spec(), started->call.hash(),
                       &started->call.state->channels, src, buf,
                       started->reduce);
         runner.SetInputPieces(std::move(*later));
@@ -1572,7 +1593,7 @@ void StartCollective(const CollectiveSpec& spec, const uint8_t* src,
     });
     return;
   }
-  started->runner.reset(new Runner(started->call.spec, started->call.hash,
+  started->runner.reset(new Runner(started->call.spec(), started->call.hash(),
                                    &started->call.state->channels, src, buf,
                                    started->reduce));
   started->runner->SetInputPieces(std::move(pieces));

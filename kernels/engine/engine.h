@@ -274,9 +274,13 @@ class Engine {
   // TrySendNow does it all without blocking if the slot is connected and
   // the credit is already there; returns false if it would have to wait
   // (and notes in the ticket when a credit wait began, for the counters).
-  // `call` identifies the op's call where spec.match_calls.
+  // `call` identifies the op's call where spec.match_calls. `known`, where
+  // the caller claims one spec again and again (an op kernel, a
+  // collective's channel): the slot an earlier claim of that same spec
+  // found, or null, set on return; with it the slot is not looked up by
+  // name again (slots live as long as the engine, so it stays valid).
   Status ClaimSend(const SlotSpec& spec, SendTicket* ticket,
-                   uint64_t call = 0);
+                   uint64_t call = 0, SendSlot** known = nullptr);
   bool TrySendNow(SendTicket* ticket, const void* data, Status* status);
   Status FinishSend(const SendTicket& ticket, const void* data);
   // The same for a dynamic slot: `data` holds meta.nbytes bytes.
@@ -288,8 +292,9 @@ class Engine {
   // Recv: ClaimRecv, then PollRecv or WaitRecvAsync (bounded); TryRecvNow
   // succeeds only if the data is already there. After a successful finish
   // the caller owns the slot copy until it calls Release.
+  // `known` as ClaimSend's.
   Status ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
-                   uint64_t call = 0);
+                   uint64_t call = 0, RecvSlot** known = nullptr);
   bool TryRecvNow(RecvTicket* ticket);
   // TryRecvNow for a caller that polls several recvs in its own loop (the
   // collectives' inline path): counted and traced like PollRecv's recv

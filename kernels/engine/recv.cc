@@ -15,11 +15,11 @@
 namespace tf_rdma {
 
 Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
-                         uint64_t call) {
+                         uint64_t call, RecvSlot** known) {
   if (!started_) return NotStarted();
   ticket->traced_since = trace::Claim();
-  RecvSlot* slot;
-  {
+  RecvSlot* slot = known != nullptr ? *known : nullptr;
+  if (slot == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& entry = recv_slots_[SlotKey(spec)];
     if (!entry) {
@@ -45,6 +45,7 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
       TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
+    if (known != nullptr) *known = slot;
   }
   ticket->slot = slot;
   ticket->call = call;

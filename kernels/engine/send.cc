@@ -22,11 +22,11 @@ constexpr int64_t kRedialMs = 1000;
 }  // namespace
 
 Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
-                         uint64_t call) {
+                         uint64_t call, SendSlot** known) {
   if (!started_) return NotStarted();
   ticket->traced_since = trace::Claim();
-  SendSlot* slot;
-  {
+  SendSlot* slot = known != nullptr ? *known : nullptr;
+  if (slot == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& entry = send_slots_[SlotKey(spec)];
     if (!entry) {
@@ -41,6 +41,7 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
       TF_RDMA_RETURN_IF_ERROR(CheckSameSlot(spec, entry->spec));
     }
     slot = entry.get();
+    if (known != nullptr) *known = slot;
   }
   ticket->slot = slot;
   ticket->call = call;

@@ -10,6 +10,8 @@
 // engine thread, so TensorFlow's inter-op threads never block on a peer. A
 // send that completed inline briefly helps the poller: the answer it
 // probably expects is completed on its thread (engine/poller.cc).
+#include <atomic>
+
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
 #include "kernels/ops/tf_status.h"
@@ -147,8 +149,11 @@ class SendOp : public AsyncOpKernel {
         done);
     Engine* engine = Engine::Get();
     SendTicket ticket;
+    SendSlot* slot = slot_.load(std::memory_order_acquire);
     OP_REQUIRES_OK_ASYNC(
-        ctx, ToTf(engine->ClaimSend(spec_, &ticket, CallOf(ctx))), done);
+        ctx, ToTf(engine->ClaimSend(spec_, &ticket, CallOf(ctx), &slot)),
+        done);
+    slot_.store(slot, std::memory_order_release);
     DynamicMeta meta;
     if (dynamic_) {
       meta.nbytes = input.tensor_data().size();
@@ -188,6 +193,9 @@ class SendOp : public AsyncOpKernel {
   SlotSpec spec_;
   tensorflow::PartialTensorShape shape_;
   bool dynamic_ = false;
+  // The engine's slot for spec_ once a call has claimed it (ClaimSend's
+  // `known`); calls of the kernel may run at once.
+  std::atomic<SendSlot*> slot_{nullptr};
 };
 
 class RecvOp : public AsyncOpKernel {
@@ -200,8 +208,11 @@ class RecvOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     Engine* engine = Engine::Get();
     RecvTicket ticket;
+    RecvSlot* slot = slot_.load(std::memory_order_acquire);
     OP_REQUIRES_OK_ASYNC(
-        ctx, ToTf(engine->ClaimRecv(spec_, &ticket, CallOf(ctx))), done);
+        ctx, ToTf(engine->ClaimRecv(spec_, &ticket, CallOf(ctx), &slot)),
+        done);
+    slot_.store(slot, std::memory_order_release);
     if (engine->PollRecv(&ticket)) {
       Emit(ctx, ticket);
       done();
@@ -268,6 +279,7 @@ class RecvOp : public AsyncOpKernel {
   SlotSpec spec_;
   tensorflow::PartialTensorShape shape_;
   bool dynamic_ = false;
+  std::atomic<RecvSlot*> slot_{nullptr};  // as SendOp's
 };
 
 }  // namespace
