@@ -53,8 +53,8 @@ from tf_rdma import _native, cluster as _cluster
 from tf_rdma.errors import ConfigError, LibraryError
 from tf_rdma.subcommand import Command
 
-__all__ = ["main", "add_arguments", "run", "hides_tensorflow_notice", "cpu_shares", "COMMAND",
-           "READY_PREFIX"]
+__all__ = ["main", "add_arguments", "run", "hides_tensorflow_notice", "forward_dropping_notices",
+           "cpu_shares", "COMMAND", "READY_PREFIX"]
 
 #: The line (prefix) a server prints on stdout once it is serving.
 READY_PREFIX = "tf_rdma server ready:"

@@ -131,10 +131,6 @@ std::string CollectiveSpec::Describe() const {
 
 namespace {
 
-// Per instance, per process: calls of one instance run one at a time (their
-// blocks share channels), and the first failure sticks. A call holds the
-// instance from its admission to its end, which may come on another thread
-// than its start (the inline path), so a flag rather than a held mutex.
 // A channel's slot spec (Runner::Channel), and the engine's slots for it
 // once claimed: later claims skip their lookup by name (Engine::ClaimSend's
 // `known`).
@@ -144,6 +140,10 @@ struct ChannelSlots {
   RecvSlot* recv = nullptr;
 };
 
+// Per instance, per process: calls of one instance run one at a time (their
+// blocks share channels), and the first failure sticks. A call holds the
+// instance from its admission to its end, which may come on another thread
+// than its start (the inline path), so a flag rather than a held mutex.
 struct InstanceState {
   std::mutex mu;  // guards everything below but `channels`
   std::condition_variable idle;  // notified when `busy` clears
