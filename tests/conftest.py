@@ -167,14 +167,18 @@ def collect(procs, timeout):
     return out
 
 
-def run_tasks(programs, cluster=None, env=None, timeout=90, check=True):
+def run_tasks(programs, cluster=None, env=None, timeout=90, check=True,
+              prefixes=None):
     """Runs {task: program} concurrently; returns {task: TaskResult}.
 
+    prefixes ({task: argv}) puts a command before a task's Python (taskset).
     With check=True, fails the test unless every task exits 0.
     """
     if cluster is None:
         cluster = make_cluster(len(programs))
-    procs = {t: spawn_task(t, p, cluster, env) for t, p in programs.items()}
+    prefixes = prefixes or {}
+    procs = {t: spawn_task(t, p, cluster, env, prefix=prefixes.get(t, ()))
+             for t, p in programs.items()}
     out = collect(procs, timeout)
     if check:
         bad = [r for r in out.values() if r.returncode != 0]

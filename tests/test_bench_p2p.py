@@ -131,13 +131,22 @@ def test_hop_split_cuts_each_hop_on_one_clock_per_task(p2p):
         ("send", "hop2", 7, 1020, 4, 10), ("recv", "hop3", 7, 1025, 1, 10),
         # The floor's chain (another call): all sends on task 0, skipped.
         ("send", "hop0", 8, 2000, 1, 10), ("send", "hop1", 8, 2001, 1, 10),
-        ("send", "hop2", 8, 2002, 1, 10)])
+        ("send", "hop2", 8, 2002, 1, 10),
+        # A warm-up call before call 7 (its hops take 100 us): left out.
+        ("send", "hop0", 5, 0, 100, 10), ("recv", "hop1", 5, 100, 100, 10),
+        ("send", "hop2", 5, 300, 100, 10), ("recv", "hop3", 5, 400, 100, 10)])
     t1 = _timeline("/job:worker/task:1", [
         ("recv", "hop0", 7, 0, 5, 11), ("send", "hop1", 7, 6, 3, 11),
         ("recv", "hop2", 7, 14, 1, 11), ("send", "hop3", 7, 16, 2, 11),
-        ("recv", "hop0", 8, 3000, 1, 11), ("recv", "hop1", 8, 3001, 1, 11)])
-    split = p2p.hop_split([t0, t1], 4)
+        ("recv", "hop0", 8, 3000, 1, 11), ("recv", "hop1", 8, 3001, 1, 11),
+        ("recv", "hop0", 5, -1000, 100, 11), ("send", "hop1", 5, -900, 100, 11),
+        ("recv", "hop2", 5, -800, 100, 11), ("send", "hop3", 5, -700, 100, 11)])
+    split = p2p.hop_split([t0, t1], 4, skip=1)
     assert split["hops"] == 2
+    assert split["calls"] == 1
+    # Call 7's chain on task 0: hop 0's send at 1000 to hop 3's recv's end
+    # at 1026, over 4 hops.
+    assert split["chain_hop_s"] == pytest.approx(6.5e-6)
     assert split["hop_s"] == pytest.approx(7.5e-6)  # (20 + 10) / 2 / 2
     assert split["send_s"] == pytest.approx(2.5e-6)  # (2 + 3) / 2
     assert split["handoff_s"] == pytest.approx(4.5e-6)  # (1 + 8) / 2
@@ -145,6 +154,8 @@ def test_hop_split_cuts_each_hop_on_one_clock_per_task(p2p):
     assert split["same_thread"] == 0.5
     assert split["same_thread_s"] == pytest.approx(1e-6)
     assert split["other_thread_s"] == pytest.approx(8e-6)
+    # Without the skip, the warm-up call's slow hops count too.
+    assert p2p.hop_split([t0, t1], 4, skip=0)["send_s"] > 50e-6
     # No whole chain call: no split.
     assert p2p.hop_split([t0], 4) is None
 
@@ -152,14 +163,16 @@ def test_hop_split_cuts_each_hop_on_one_clock_per_task(p2p):
 def test_a_missed_hop_says_where_its_time_went(p2p):
     marginals = [{"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 64,
                   "marginal_hop_s": 25e-6}]
-    split = {"hops": 620, "hop_s": 24e-6, "hop_median_s": 6e-6,
-             "send_s": 5e-6, "wait_s": 7e-6, "handoff_s": 12e-6,
+    split = {"hops": 620, "calls": 10, "hop_s": 24e-6, "hop_median_s": 6e-6,
+             "chain_hop_s": 8e-6, "send_s": 5e-6, "wait_s": 7e-6, "handoff_s": 12e-6,
              "same_thread": 0.9, "same_thread_s": 6e-6,
              "other_thread_s": 66e-6}
     (line,) = p2p.check_lines([], marginals, (), split)
     assert line.endswith(
         "MISSED; where a traced run's hops went (TF_RDMA_TIMELINE_EVENTS=ops, "
-        "means over 620 hops: 24.0 us a hop, median 6.0 us): the send op "
+        "means over 620 hops of 10 calls after the warm-up: 24.0 us a hop, "
+        "median 6.0 us; a call's whole chain over H: 8.0 us a hop, the "
+        "median call): the send op "
         "5.0 us, from its end to the recv's completion on the peer 7.0 us, "
         "from there to the next send 12.0 us (TensorFlow's hand-off: 90% of "
         "the recvs completed on the thread that ran the next send, 6.0 us "

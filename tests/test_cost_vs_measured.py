@@ -34,7 +34,7 @@ against tree's 21.5 and 25.3 ms); bound, the allreduce algorithms measured
 import itertools
 import os
 
-from conftest import collect, make_cluster, spawn_task
+from conftest import run_tasks
 
 #: A measured time may exceed the other's by this factor before a pair the
 #: model orders clearly counts as contradicted (see the module docstring).
@@ -94,17 +94,12 @@ def _run_bound():
     are two (taskset before Python starts, as launch binds before exec);
     returns task 0's result."""
     cpus = sorted(os.sched_getaffinity(0))
-    cluster = make_cluster(2)
-    procs = {}
-    for i in range(2):
-        task = f"/job:worker/task:{i}"
-        prefix = ("taskset", "-c", str(cpus[i])) if len(cpus) >= 2 else ()
-        procs[task] = spawn_task(task, PROGRAM, cluster,
-                                 env={"TF_RDMA_HOST_CPUS": str(len(cpus))},
-                                 prefix=prefix)
-    out = collect(procs, timeout=600)
-    bad = [r for r in out.values() if r.returncode != 0]
-    assert not bad, "task failed\n" + "\n".join(r.describe() for r in out.values())
+    tasks = [f"/job:worker/task:{i}" for i in range(2)]
+    prefixes = ({t: ("taskset", "-c", str(cpu)) for t, cpu in zip(tasks, cpus)}
+                if len(cpus) >= 2 else {})
+    out = run_tasks({t: PROGRAM for t in tasks},
+                    env={"TF_RDMA_HOST_CPUS": str(len(cpus))}, timeout=600,
+                    prefixes=prefixes)
     return out["/job:worker/task:0"].result
 
 

@@ -5,6 +5,8 @@ control dependencies add around TfRdmaSend / TfRdmaRecv, and where the
 values a function returns are computed (tf_rdma/_auto_control_deps.py).
 """
 
+import os
+
 import pytest
 import tensorflow as tf
 
@@ -79,6 +81,48 @@ def test_returned_value_stays_on_the_task_that_computes_it():
     assert copy.type == "DeepCopy"
     assert tf.DeviceSpec.from_string(copy.device) == on_w1
     assert copy.inputs[0].op.type == "AddV2"
+
+
+FIRST_FUNCTION = """
+import {first}
+import {second}
+import tensorflow as tf
+import tf_rdma
+p = tf_rdma.Plan([tf_rdma.Transfer("x", "{w0}", "{w1}", "float32", [4])],
+                 name="first")
+
+@tf.function
+def fn(a):
+    # The process's first use of tf_rdma.ops: tracing this loads the library.
+    with tf.device("{w0}"):
+        tf_rdma.ops.send(a * 2.0, p, "x")
+    with tf.device("{w1}"):
+        return tf_rdma.ops.recv(p, "x") + 1.0
+
+graph = fn.get_concrete_function(tf.TensorSpec([4], tf.float32)).graph
+print("DEVICE=" + graph.outputs[0].op.device)
+"""
+
+
+@pytest.mark.parametrize("first,second", [("tensorflow", "tf_rdma"),
+                                          ("tf_rdma", "tensorflow")])
+def test_the_first_function_that_loads_the_library_is_placed_too(first,
+                                                                 second):
+    # The hooks used to come with the op library, loaded while the first
+    # function using tf_rdma ops was traced: too late for that function,
+    # whose result then went through the client on every call (measured in
+    # bench/p2p.py: the chain of the first size, docs/benchmarks.md).
+    import subprocess
+    import sys
+    code = FIRST_FUNCTION.format(first=first, second=second, w0=W0, w1=W1)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=110,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("DEVICE=")]
+    device = line[len("DEVICE="):]
+    assert device and (tf.DeviceSpec.from_string(device) ==
+                       tf.DeviceSpec.from_string(W1)), line
 
 
 def test_functions_without_tf_rdma_ops_are_left_alone():

@@ -20,6 +20,7 @@ Main entry points:
 """
 
 import importlib
+import sys
 
 from tf_rdma import errors
 
@@ -44,7 +45,35 @@ _LAZY_MODULES = ("ops", "collectives", "distribute", "keras")
 __all__ = ["errors", *_LAZY_MODULES, *_LAZY]
 
 
+_hooked = False
+
+
+def _hook_tensorflow():
+    """Installs tf_rdma's hooks into TensorFlow's tracing once TensorFlow is
+    imported (tf_rdma/_auto_control_deps.py: ops that run in any order,
+    results computed where they are produced).
+
+    The op library's loader installs them too, but it runs while the first
+    function that uses tf_rdma ops is being traced: too late for that
+    function, whose result then went through the client on every call (the
+    `with` around a trace looks up its `__exit__` when it starts). Any
+    tf_rdma name used before that trace (a Plan, the decorator) installs
+    them in time; importing tf_rdma after TensorFlow does too. Without
+    TensorFlow loaded this does nothing: importing tf_rdma stays cheap.
+    """
+    global _hooked
+    if _hooked or "tensorflow" not in sys.modules:
+        return
+    _hooked = True
+    from tf_rdma import _auto_control_deps  # pylint: disable=g-import-not-at-top
+    try:
+        _auto_control_deps.register_order_insensitive_ops()
+    except errors.LibraryError:
+        pass  # an unsupported TensorFlow: loading the library says so
+
+
 def __getattr__(name):
+    _hook_tensorflow()
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _LAZY_MODULES:
@@ -54,3 +83,6 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+_hook_tensorflow()

@@ -150,10 +150,11 @@ class SendOp : public AsyncOpKernel {
     Engine* engine = Engine::Get();
     SendTicket ticket;
     SendSlot* slot = slot_.load(std::memory_order_acquire);
+    const bool known = slot != nullptr;
     OP_REQUIRES_OK_ASYNC(
         ctx, ToTf(engine->ClaimSend(spec_, &ticket, CallOf(ctx), &slot)),
         done);
-    slot_.store(slot, std::memory_order_release);
+    if (!known) slot_.store(slot, std::memory_order_release);
     DynamicMeta meta;
     if (dynamic_) {
       meta.nbytes = input.tensor_data().size();
@@ -209,10 +210,11 @@ class RecvOp : public AsyncOpKernel {
     Engine* engine = Engine::Get();
     RecvTicket ticket;
     RecvSlot* slot = slot_.load(std::memory_order_acquire);
+    const bool known = slot != nullptr;
     OP_REQUIRES_OK_ASYNC(
         ctx, ToTf(engine->ClaimRecv(spec_, &ticket, CallOf(ctx), &slot)),
         done);
-    slot_.store(slot, std::memory_order_release);
+    if (!known) slot_.store(slot, std::memory_order_release);
     if (engine->PollRecv(&ticket)) {
       Emit(ctx, ticket);
       done();
