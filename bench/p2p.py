@@ -622,7 +622,7 @@ def hop_split(files, hops, skip=WARMUP):
 
     The first ``skip`` chain calls (in time) are left out: the bench's
     warm-up calls, whose first hops also set up regions and connections
-    (a warm-up chain of 64 hops took 5.6 ms, the others 0.2 to 0.4 ms).
+    (a warm-up chain of 64 hops took 5.6 ms, the others 0.25 to 0.67 ms).
 
     Args:
       files: ``tf_rdma.timeline.read`` dicts of the two tasks' files.
