@@ -139,8 +139,10 @@ def test_hop_split_cuts_each_hop_on_one_clock_per_task(p2p):
         ("recv", "hop0", 7, 0, 5, 11), ("send", "hop1", 7, 6, 3, 11),
         ("recv", "hop2", 7, 14, 1, 11), ("send", "hop3", 7, 16, 2, 11),
         ("recv", "hop0", 8, 3000, 1, 11), ("recv", "hop1", 8, 3001, 1, 11),
-        ("recv", "hop0", 5, -1000, 100, 11), ("send", "hop1", 5, -900, 100, 11),
-        ("recv", "hop2", 5, -800, 100, 11), ("send", "hop3", 5, -700, 100, 11)])
+        ("recv", "hop0", 5, -1000, 100, 11),
+        ("send", "hop1", 5, -900, 100, 11),
+        ("recv", "hop2", 5, -800, 100, 11),
+        ("send", "hop3", 5, -700, 100, 11)])
     split = p2p.hop_split([t0, t1], 4, skip=1)
     assert split["hops"] == 2
     assert split["calls"] == 1
@@ -164,8 +166,8 @@ def test_a_missed_hop_says_where_its_time_went(p2p):
     marginals = [{"system": "tf_rdma-shm", "size_bytes": 4 * KiB, "hops": 64,
                   "marginal_hop_s": 25e-6}]
     split = {"hops": 620, "calls": 10, "hop_s": 24e-6, "hop_median_s": 6e-6,
-             "chain_hop_s": 8e-6, "send_s": 5e-6, "wait_s": 7e-6, "handoff_s": 12e-6,
-             "same_thread": 0.9, "same_thread_s": 6e-6,
+             "chain_hop_s": 8e-6, "send_s": 5e-6, "wait_s": 7e-6,
+             "handoff_s": 12e-6, "same_thread": 0.9, "same_thread_s": 6e-6,
              "other_thread_s": 66e-6}
     (line,) = p2p.check_lines([], marginals, (), split)
     assert line.endswith(

@@ -119,7 +119,8 @@ def test_the_first_function_that_loads_the_library_is_placed_too(first,
                           text=True, timeout=110,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("DEVICE=")]
+    (line,) = [out for out in proc.stdout.splitlines()
+               if out.startswith("DEVICE=")]
     device = line[len("DEVICE="):]
     assert device and (tf.DeviceSpec.from_string(device) ==
                        tf.DeviceSpec.from_string(W1)), line
