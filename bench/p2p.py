@@ -659,10 +659,10 @@ def hop_split(files, hops, skip=WARMUP):
                            ev[(0, "tf_rdma.send", 0, step)][0]) / hops)
         for i in range(hops - 2):
             here, there = i % 2, (i + 1) % 2
-            send = ev.get((here, "tf_rdma.send", i, step))
-            recv = ev.get((there, "tf_rdma.recv", i, step))
-            after = ev.get((there, "tf_rdma.send", i + 1, step))
-            back = ev.get((here, "tf_rdma.send", i + 2, step))
+            send = ev[(here, "tf_rdma.send", i, step)]
+            recv = ev[(there, "tf_rdma.recv", i, step)]
+            after = ev[(there, "tf_rdma.send", i + 1, step)]
+            back = ev[(here, "tf_rdma.send", i + 2, step)]
             sends.append(send[1] - send[0])
             (same if recv[2] == after[2] else other).append(after[0] - recv[1])
             trips.append(back[0] - send[0])

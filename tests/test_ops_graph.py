@@ -6,6 +6,8 @@ values a function returns are computed (tf_rdma/_auto_control_deps.py).
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -112,8 +114,6 @@ def test_the_first_function_that_loads_the_library_is_placed_too(first,
     # function using tf_rdma ops was traced: too late for that function,
     # whose result then went through the client on every call (measured in
     # bench/p2p.py: the chain of the first size, docs/benchmarks.md).
-    import subprocess
-    import sys
     code = FIRST_FUNCTION.format(first=first, second=second, w0=W0, w1=W1)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=110,

@@ -302,7 +302,7 @@ class Runner {
   // Channels and blocks.
   const SlotSpec& Channel(int from, int to) { return Slots(from, to).spec; }
   ChannelSlots& Slots(int from, int to);
-  // Claims the next block of the channel to `to` (from `from`).
+  // Claim the next block of this rank's channel to `to`, or from `from`.
   Status ClaimSendTo(int to, SendTicket* ticket) {
     ChannelSlots& c = Slots(rank_, to);
     return engine_->ClaimSend(c.spec, ticket, 0, &c.send);
