@@ -130,7 +130,13 @@ or "not measured", and where one is missed the bound the run has for it:
   goes; the CPU and off-CPU times of the call, the
   empty call and Open MPI (where an empty call, which waits for no peer,
   spends longer off a CPU than Open MPI's whole call takes, the difference
-  cannot resolve Open MPI's time); and the same difference back to back.
+  cannot resolve Open MPI's time); the same difference back to back; and,
+  where every rank has a CPU, the exchange without TensorFlow (tf_rdma's
+  oneshot driven from C, Open MPI's Allreduce from its loop, back to back,
+  hot and with the L2 cache's bytes written before every call, as an op's
+  dispatch leaves the caches), with the least a call through TensorFlow
+  pays beyond its dispatch: that cooled exchange less the empty call's
+  time in the engine.
   Where the ranks outnumber the CPUs (P = 4 on 2), first the least the
   difference can be with an exchange that costs nothing: every rank's way
   into the op runs inside the first rank's call, so that call takes at
@@ -179,6 +185,17 @@ SMALL_RUNS = 300
 BURSTS = 5
 BURST_WARMUP = 1
 BURST_CALLS = 50
+#: At the small sizes (DISPATCH_SIZES, where P <= the host's CPUs) the
+#: exchange is also timed without TensorFlow: tf_rdma's LOOP_ALGORITHM
+#: driven from C (tfrdma_allreduce_loop) and Open MPI's Allreduce from its
+#: Python loop, LOOP_ROUNDS rounds of LOOP_CALLS calls back to back, each
+#: round once "hot" (nothing between the calls) and once "cooled" (the L2
+#: cache's bytes written before every call, as an op's dispatch through
+#: TensorFlow leaves the caches).
+LOOP_ALGORITHM = "oneshot"
+LOOP_CALLS = 1000
+LOOP_ROUNDS = 3
+LOOP_MODES = ("hot", "cooled")
 
 
 
@@ -264,6 +281,22 @@ def rounds(size, runs):
     return max(runs, SMALL_RUNS) if size <= SMALL_SIZE else runs
 
 
+def cache_bytes(level=2, default=MiB):
+    """The size of CPU 0's level-``level`` data or unified cache (sysfs);
+    ``default`` where the kernel does not say."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            def read(key):
+                with open(os.path.join(base, index, key)) as f:
+                    return f.read().strip()
+            if read("level") == str(level) and read("type") != "Instruction":
+                return parse_size(read("size"))
+    except (OSError, ValueError, argparse.ArgumentTypeError):
+        pass
+    return default
+
+
 class _Rank:
     """What every system's worker shares: inputs, checks, the timing loop."""
 
@@ -276,6 +309,7 @@ class _Rank:
                     "pid": os.getpid(), "info": {}, "times": {},
                     "waits": {}, "starts": {}, "inside": {}, "cpu": {},
                     "back_to_back": {}, "back_to_back_errors": {},
+                    "loop": {}, "loop_errors": {},
                     "errors": {}, "done": False}
         self.path = os.path.join(args.out, f"{system}.rank{rank}.json")
 
@@ -439,6 +473,48 @@ class _Rank:
             self.doc["back_to_back"].setdefault(name, {})[str(size)] = \
                 per_call
 
+    def loops(self, name, loop, sync):
+        """Times the exchange alone at the small sizes (LOOP_CALLS).
+
+        Args:
+          name: The system the loop's times go with in the results.
+          loop: ``(size, cool_bytes, calls) -> (starts, ends)``: ``calls``
+            calls back to back, ``cool_bytes`` written before each, and
+            each call's start and end (CLOCK_MONOTONIC seconds, the clock
+            of ``time.perf_counter``).
+          sync: The ranks' barrier, before every loop.
+
+        Only where the ranks have a CPU each: where they share CPUs a loop
+        measures who waits for a core. A loop that fails ends the loops on
+        this rank (kept in ``loop_errors`` and printed).
+        """
+        if self.nranks > (os.cpu_count() or 1):
+            return
+        cool = cache_bytes()
+        for size in self.args.sizes:
+            if size not in DISPATCH_SIZES:
+                continue
+            found = {mode: {"starts": [], "ends": [], "cool_bytes": cool_bytes}
+                     for mode, cool_bytes in zip(LOOP_MODES, (0, cool))}
+            try:
+                for _ in range(LOOP_ROUNDS):
+                    for times in found.values():
+                        sync()
+                        starts, ends = loop(size, times["cool_bytes"],
+                                            LOOP_CALLS)
+                        times["starts"] += starts
+                        times["ends"] += ends
+            except Exception as err:  # noqa: BLE001 -- reported
+                message = f"{type(err).__name__}: {err}"[:2000]
+                self.doc["loop_errors"].setdefault(name, {})[str(size)] = \
+                    message
+                print(f"{LOG_PREFIX}rank {self.rank}: {name} at "
+                      f"{human_size(size)} without TensorFlow: {message}",
+                      file=sys.stderr, flush=True)
+                return
+            self.doc["loop"].setdefault(name, {})[str(size)] = found
+            self.save()
+
 
 def worker_tf_rdma(args):
     import numpy as np
@@ -533,6 +609,33 @@ def worker_tf_rdma(args):
         return tf_rdma.stats()["last_collective"]
 
     me.run(variants_for_size, sync, expected_for, probe)
+    if LOOP_ALGORITHM in args.algorithms:
+        me.loops(f"tf_rdma-{LOOP_ALGORITHM}",
+                 _engine_loop(C.default_group().tasks, rank), sync)
+
+
+def _engine_loop(tasks, rank):
+    """tf_rdma's exchange without TensorFlow (:meth:`_Rank.loops`' loop):
+    LOOP_ALGORITHM's allreduce (sum) of ones, driven from C by the op
+    library's ``tfrdma_allreduce_loop``, which checks the last result."""
+    import ctypes
+
+    from tf_rdma import _loader
+
+    run = _loader.load().c.tfrdma_allreduce_loop
+    group = "\n".join(tasks).encode()
+
+    def loop(size, cool_bytes, calls):
+        times = (ctypes.c_int64 * (2 * calls))()
+        err = ctypes.create_string_buffer(1024)
+        code = run(group, rank, LOOP_ALGORITHM.encode(), size // 4, size,
+                   calls, cool_bytes, times, err, len(err))
+        if code:
+            raise RuntimeError(f"tfrdma_allreduce_loop failed (code {code}): "
+                               f"{err.value.decode(errors='replace')}")
+        return ([t / 1e9 for t in times[0::2]],
+                [t / 1e9 for t in times[1::2]])
+    return loop
 
 
 def worker_mwms(args):
@@ -597,8 +700,28 @@ def worker_mpi(args):
             return y
         return {OPENMPI: call}
 
+    def loop(size, cool_bytes, calls):
+        # The Python loop a user of mpi4py writes; a numpy write to every
+        # 64-byte line of the cooling buffer before each call.
+        x = np.ones(size // 4, np.float32)
+        y = np.empty_like(x)
+        lines = np.zeros(cool_bytes, np.uint8)[::64]
+        starts, ends = [], []
+        for _ in range(calls):
+            if cool_bytes:
+                lines += 1
+            t0 = time.perf_counter()
+            comm.Allreduce(x, y, op=MPI.SUM)
+            ends.append(time.perf_counter())
+            starts.append(t0)
+        if not np.all(y == comm.Get_size()):
+            raise RuntimeError(f"wrong sum: {y[:4]}..., expected "
+                               f"{comm.Get_size()} everywhere")
+        return starts, ends
+
     comm.Barrier()
     me.run(variants_for_size, comm.Barrier)
+    me.loops(OPENMPI, loop, comm.Barrier)
     comm.Barrier()
 
 
@@ -853,11 +976,13 @@ def combine(docs, nranks):
                                    "P": nranks, "rank": doc["rank"],
                                    "error": message})
         # Reported, but the rounds' times of the variant stand.
-        for name, by_size in doc.get("back_to_back_errors", {}).items():
-            for size, message in by_size.items():
-                errors.append({"system": name, "size_bytes": int(size),
-                               "P": nranks, "rank": doc["rank"],
-                               "error": f"back to back: {message}"})
+        for key, what in (("back_to_back_errors", "back to back"),
+                          ("loop_errors", "without TensorFlow")):
+            for name, by_size in doc.get(key, {}).items():
+                for size, message in by_size.items():
+                    errors.append({"system": name, "size_bytes": int(size),
+                                   "P": nranks, "rank": doc["rank"],
+                                   "error": f"{what}: {message}"})
     if len(docs) < nranks:
         return results, errors
     names = sorted({n for d in docs for n in d["times"]})
@@ -896,6 +1021,18 @@ def combine(docs, nranks):
             if all(bursts):
                 extra["median_back_to_back_s"] = statistics.median(
                     slowest_rank(bursts))
+            loops = [d.get("loop", {}).get(name, {}).get(str(size))
+                     for d in docs]
+            if all(loops):
+                # Per call of a loop, from the later rank's start.
+                for mode in LOOP_MODES:
+                    ends, begins = ([x[mode][key] for x in loops]
+                                    for key in ("ends", "starts"))
+                    took = [[e - b for b, e in zip(bs, es)]
+                            for bs, es in zip(begins, ends)]
+                    extra[f"median_loop_{mode}_s"] = statistics.median(
+                        _from_last_start(took, begins))
+                extra["loop_cool_bytes"] = loops[0]["cooled"]["cool_bytes"]
             starts = [d.get("starts", {}).get(name, {}).get(str(size))
                       for d in docs]
             if all(starts):
@@ -1355,6 +1492,8 @@ def checks(results, cpus=None):
                           f"{human_time(abs(rest))} "
                           f"{'more' if rest >= 0 else 'less'} than the "
                           f"empty call's; ")
+            bound += _without_tensorflow(by, size, nranks, mpi,
+                                         split[DISPATCH]["inside"], measured)
             cpu, off = ({system: by[(system, size, nranks)].get(key)
                          for system in (name, DISPATCH, OPENMPI)}
                         for key in ("median_cpu_s", "median_off_cpu_s"))
@@ -1411,6 +1550,54 @@ def checks(results, cpus=None):
                     shared and shared["call_s"] - dispatch),
                 measured, bound))
     return out
+
+
+def _without_tensorflow(by, size, nranks, mpi, empty_inside, measured):
+    """The check's words on the exchange timed without TensorFlow
+    (:meth:`_Rank.loops`), or "" where a loop is missing.
+
+    Hot, the loops compare the two exchanges as a C program would call
+    them. Cooled, with the caches as an op's dispatch leaves them: a call
+    through TensorFlow pays at least about that cooled exchange beyond its
+    dispatch, less what the empty call spends in the engine
+    (``empty_inside``, the split's): where that alone is over Open MPI's
+    time, the target is out of reach while the dispatch cools the caches.
+    Adds the loops' medians to ``measured``.
+    """
+    ours = by.get((f"tf_rdma-{LOOP_ALGORITHM}", size, nranks)) or {}
+    theirs = by.get((OPENMPI, size, nranks)) or {}
+    keys = [f"median_loop_{mode}_s" for mode in LOOP_MODES]
+    if any(entry.get(key) is None for entry in (ours, theirs)
+           for key in keys):
+        return ""
+    (hot, cooled), (mpi_hot, mpi_cooled) = (
+        [entry[key] for key in keys] for entry in (ours, theirs))
+    measured["loop_s"] = {LOOP_ALGORITHM: {"hot": hot, "cooled": cooled},
+                          OPENMPI: {"hot": mpi_hot, "cooled": mpi_cooled}}
+    text = (f"without TensorFlow ({LOOP_CALLS} calls back to back, from the "
+            f"later rank's start; tf_rdma's {LOOP_ALGORITHM} driven from C): "
+            f"{human_time(hot)} vs {OPENMPI} {human_time(mpi_hot)}, "
+            f"{_times(hot / mpi_hot)} its time; with "
+            f"{human_size(ours['loop_cool_bytes'], exact=False)} (the L2 "
+            f"cache) written before every call, as an op's dispatch leaves "
+            f"the caches: {human_time(cooled)} vs {human_time(mpi_cooled)}, "
+            f"{_times(cooled / mpi_cooled)} its time; ")
+    if empty_inside is None:
+        return text
+    least = cooled - empty_inside
+    measured["loop_s"]["least_net_s"] = least
+    return text + (
+        f"so beyond its dispatch a call through TensorFlow pays at least "
+        f"about the cooled exchange less the empty call's time in the "
+        f"engine, {human_time(cooled)} - {human_time(empty_inside)} = "
+        f"{human_time(least)}, {_times(max(least, 0.0) / mpi)} {OPENMPI}'s "
+        f"{human_time(mpi)}"
+        + (": out of reach while the dispatch cools the caches; "
+           if least > mpi else
+           " (within the target: the rest comes with the call through "
+           "TensorFlow: the engine's code and data colder than this loop "
+           "leaves them, the ranks' arrival, and TensorFlow's way into the "
+           "op and back); "))
 
 
 def _estimate_wrong(wrong, least):

@@ -3,9 +3,11 @@
 Speed targets live in bench/, not in timed tests: these check that the
 check lines are computed right from the results they are given, that the
 dispatch of an empty collective is never "best tf_rdma", and that the
-algorithms come from tf_rdma.collectives. The bench runs here only as its
-floor (P numpy processes, no TensorFlow: about a second), to check that the
-floor's ranks run, report and leave nothing in /dev/shm.
+algorithms come from tf_rdma.collectives. The bench runs here as its floor
+(P numpy processes, no TensorFlow: about a second), to check that the
+floor's ranks run, report and leave nothing in /dev/shm, and as tf_rdma's
+oneshot at 4 KiB, to check that the exchange is also timed without
+TensorFlow (the engine's C loop, tfrdma_allreduce_loop).
 """
 
 import glob
@@ -16,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import BENCH, REPO, load_bench
+from conftest import BENCH, REPO, load_bench, run_tasks
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -522,3 +524,130 @@ def test_floor_runs_and_leaves_no_shared_memory(tmp_path, bench):
                                  for c in doc["checks"])
     assert "floor" in proc.stdout
     assert set(glob.glob("/dev/shm/tf_rdma_bench_floor_*")) == before
+
+
+def test_combine_times_each_loop_call_from_its_later_start(bench):
+    def doc(rank, hot, cooled):
+        def times(pairs):
+            return {"starts": [s for s, _ in pairs],
+                    "ends": [e for _, e in pairs]}
+        return {"rank": rank, "errors": {},
+                "times": {"tf_rdma-oneshot": {"4096": [1e-3]}},
+                "loop": {"tf_rdma-oneshot": {"4096": {
+                    "hot": dict(times(hot), cool_bytes=0),
+                    "cooled": dict(times(cooled), cool_bytes=MiB)}}}}
+    # Hot: call 0 from the later start 1 us to the last end 3 us (2 us);
+    # call 1: 13 - 11 = 2 us; call 2: 24 - 20 = 4 us. Median 2 us.
+    # Cooled: 5, 7 and 6 us: median 6 us.
+    docs = [doc(0, [(0, 3e-6), (10e-6, 13e-6), (20e-6, 23e-6)],
+                [(0, 5e-6), (10e-6, 17e-6), (20e-6, 25e-6)]),
+            doc(1, [(1e-6, 2e-6), (11e-6, 12e-6), (19e-6, 24e-6)],
+                [(0, 4e-6), (9e-6, 16e-6), (21e-6, 27e-6)])]
+    results, errors = bench.combine(docs, 2)
+    assert not errors
+    r = results[0]
+    assert r["median_loop_hot_s"] == pytest.approx(2e-6)
+    assert r["median_loop_cooled_s"] == pytest.approx(6e-6)
+    assert r["loop_cool_bytes"] == MiB
+    # A rank whose loop failed: the error is reported, no loop times.
+    del docs[1]["loop"]
+    docs[1]["loop_errors"] = {"tf_rdma-oneshot": {"4096": "RuntimeError: x"}}
+    results, errors = bench.combine(docs, 2)
+    assert "median_loop_hot_s" not in results[0]
+    assert errors == [{"system": "tf_rdma-oneshot", "size_bytes": 4096,
+                       "P": 2, "rank": 1,
+                       "error": "without TensorFlow: RuntimeError: x"}]
+
+
+def test_small_sizes_print_the_exchange_without_tensorflow(bench):
+    def results(cooled):
+        out = [entry("tf_rdma-oneshot", 4 * KiB, 110e-6),
+               entry(bench.DISPATCH, 4 * KiB, 102e-6),
+               entry(bench.OPENMPI, 4 * KiB, 2.5e-6)]
+        loops = {"tf_rdma-oneshot": (1.2e-6, cooled),
+                 bench.OPENMPI: (2e-6, 3e-6)}
+        for r in out:
+            if r["system"] in loops:
+                r["median_loop_hot_s"], r["median_loop_cooled_s"] = \
+                    loops[r["system"]]
+                r["loop_cool_bytes"] = MiB
+            r["median_inside_s"] = 0.5e-6 if r["system"] == bench.DISPATCH \
+                else 3e-6
+            r["median_in_s"], r["median_out_s"] = 80e-6, 25e-6
+        return out
+
+    target = "best tf_rdma - dispatch <= openmpi's time"
+    check = by_target(bench.checks(results(1.8e-6)), 4 * KiB, 2, target)
+    assert check["verdict"] == "MISSED"  # 8 us against 2.5 us
+    assert ("without TensorFlow (1000 calls back to back, from the later "
+            "rank's start; tf_rdma's oneshot driven from C): 1.2 us vs "
+            "openmpi 2.0 us, 0.60x its time; with 1 MiB (the L2 cache) "
+            "written before every call, as an op's dispatch leaves the "
+            "caches: 1.8 us vs 3.0 us, 0.60x its time; so beyond its "
+            "dispatch a call through TensorFlow pays at least about the "
+            "cooled exchange less the empty call's time in the engine, "
+            "1.8 us - 0.5 us = 1.3 us, 0.52x openmpi's 2.5 us (within the "
+            "target: ") in check["bound"]
+    assert check["measured"]["loop_s"]["oneshot"] == {"hot": 1.2e-6,
+                                                      "cooled": 1.8e-6}
+    # A cooled exchange that alone takes longer than Open MPI's call.
+    check = by_target(bench.checks(results(3.5e-6)), 4 * KiB, 2, target)
+    assert ("3.5 us - 0.5 us = 3.0 us, 1.20x openmpi's 2.5 us: out of reach "
+            "while the dispatch cools the caches; ") in check["bound"]
+    # Without Open MPI's loop (P > CPUs): nothing about it.
+    no_loop = results(1.8e-6)
+    del no_loop[2]["median_loop_cooled_s"]
+    check = by_target(bench.checks(no_loop), 4 * KiB, 2, target)
+    assert "without TensorFlow" not in check["bound"]
+    assert "loop_s" not in check["measured"]
+
+
+def test_cache_bytes_reads_the_l2_from_sysfs(bench):
+    size = bench.cache_bytes()
+    assert size >= 64 * KiB and size % KiB == 0
+    assert bench.cache_bytes(level=99, default=123) == 123
+
+
+def test_tf_rdma_s_exchange_is_timed_without_tensorflow(tmp_path, bench):
+    out = tmp_path / "oneshot.json"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, _PATH, "--systems", "tf_rdma", "--sizes", "4K",
+         "--ranks", "2", "--runs", "1", "--algorithms", "oneshot",
+         "--no-calibrate", "--json", str(out), "--timeout", "240"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    oneshot = next(r for r in doc["results"]
+                   if r["system"] == "tf_rdma-oneshot")
+    # Both loops ran on both ranks and checked their sums (a wrong one is
+    # an error, and the run's exit status 1).
+    assert 0 < oneshot["median_loop_hot_s"] < oneshot["median_s"], oneshot
+    assert 0 < oneshot["median_loop_cooled_s"] < oneshot["median_s"]
+    assert oneshot["loop_cool_bytes"] == bench.cache_bytes()
+    assert not doc["config"]["errors"]
+
+
+ENGINE_LOOP_BAD_INPUT = """
+import ctypes
+from tf_rdma import _loader
+loop = _loader.load().c.tfrdma_allreduce_loop
+times = (ctypes.c_int64 * 2)()
+err = ctypes.create_string_buffer(256)
+found = []
+for algorithm, count, calls in ((b"fastest", 1, 1), (b"oneshot", 0, 1),
+                                (b"oneshot", 1, 0)):
+    code = loop(task.encode(), 0, algorithm, count, 4, calls, 0, times, err,
+                len(err))
+    found.append([code, err.value.decode()])
+result(found)
+"""
+
+
+def test_the_engine_loop_names_bad_input():
+    found = run_tasks({"worker:0": ENGINE_LOOP_BAD_INPUT})["worker:0"].result
+    assert all(code != 0 for code, _ in found), found
+    assert "unknown algorithm 'fastest' (expected lp, ring, tree, rhd or " \
+        "oneshot)" in found[0][1]
+    assert "got 0, 1 and 0" in found[1][1]
+    assert "got 1, 0 and 0" in found[2][1]

@@ -138,6 +138,11 @@ def load():
         cdll.tfrdma_built_tf_version.restype = ctypes.c_char_p
         cdll.tfrdma_trace_bench.argtypes = [ctypes.c_int64]
         cdll.tfrdma_trace_bench.restype = ctypes.c_int64
+        cdll.tfrdma_allreduce_loop.argtypes = [
+            ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
+        cdll.tfrdma_allreduce_loop.restype = ctypes.c_int
         cdll.tfrdma_stall_bench.argtypes = [ctypes.c_int64]
         cdll.tfrdma_stall_bench.restype = ctypes.c_int64
         cdll.tfrdma_trace_events.argtypes = [ctypes.c_int]

@@ -2,13 +2,21 @@
 // same shared object: tf_rdma.Server starts the endpoint through it. Plain C
 // types only; errors come back as a message in a caller-owned buffer.
 
+#include <time.h>
+
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "kernels/common/reduce.h"
 #include "kernels/common/sha256.h"
+#include "kernels/common/text.h"
 #include "kernels/common/trace.h"
 #include "kernels/common/wait.h"
+#include "kernels/engine/collective.h"
 #include "kernels/engine/engine.h"
 #include "kernels/transport/factory.h"
 
@@ -127,6 +135,88 @@ int64_t tfrdma_trace_bench(int64_t n) {
              static_cast<uint64_t>(i + 1));
   }
   return tf_rdma::ThreadCpuNs() - start;
+}
+
+// The engine's allreduce without TensorFlow around it, for
+// bench/allreduce.py: `calls` sums of `count` floats by `algorithm` (a
+// tf_rdma.collectives name) among `group` (its tasks, one a line; this
+// process is group[rank]), called back to back from this thread, as a
+// C program calls MPI_Allreduce. Before every call it touches `cool_bytes`
+// of memory, a write to every 64-byte line (0: nothing): the caches a call
+// then meets are those a call through TensorFlow meets after the op's
+// dispatch, which reads and writes far more than the L2 holds, where a
+// loop of calls alone finds the collective's buffers and state in the L1.
+// Writes call i's start and end (CLOCK_MONOTONIC ns, the clock of Python's
+// time.perf_counter, so the ranks' calls line up) into times[2 i] and
+// times[2 i + 1]. Every rank's input is 1: the last call's result must be
+// the group's size everywhere. Returns 0, or a tf_rdma::Code with the
+// message in err.
+int tfrdma_allreduce_loop(const char* group, int rank, const char* algorithm,
+                          int64_t count, int64_t block_bytes, int64_t calls,
+                          int64_t cool_bytes, int64_t* times, char* err,
+                          int errlen) {
+  using tf_rdma::Code;
+  using tf_rdma::Status;
+  tf_rdma::CollectiveSpec spec;
+  spec.kind = tf_rdma::CollectiveKind::kAllReduce;
+  if (!tf_rdma::ParseAlgorithm(algorithm, &spec.algorithm)) {
+    return Fail(Status(Code::kInvalidArgument,
+                       std::string("unknown algorithm '") + algorithm +
+                           "' (expected lp, ring, tree, rhd or oneshot)"),
+                err, errlen);
+  }
+  spec.group = tf_rdma::Split(group, '\n');
+  if (count < 1 || calls < 1 || cool_bytes < 0) {
+    return Fail(Status(Code::kInvalidArgument,
+                       "count and calls must be at least 1 and cool_bytes "
+                       "at least 0; got " + std::to_string(count) + ", " +
+                           std::to_string(calls) + " and " +
+                           std::to_string(cool_bytes)),
+                err, errlen);
+  }
+  spec.instance = "bench/allreduce_loop/" + std::string(algorithm) + "/" +
+                  std::to_string(count);
+  spec.dtype = "float";
+  spec.rank = rank;
+  spec.count = static_cast<uint64_t>(count);
+  spec.element_bytes = sizeof(float);
+  if (block_bytes > 0) spec.block_bytes = static_cast<uint64_t>(block_bytes);
+  std::vector<float> in(count, 1.0f), out(count, 0.0f);
+  std::vector<uint8_t> cool(static_cast<size_t>(cool_bytes));
+  const tf_rdma::ReduceFn sum =
+      tf_rdma::ReduceInto<float, tf_rdma::SumOp>;
+  auto now_ns = [] {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  };
+  for (int64_t i = 0; i < calls; ++i) {
+    for (size_t k = 0; k < cool.size(); k += 64) cool[k] += 1;
+    std::atomic<bool> done{false};
+    Status status;
+    times[2 * i] = now_ns();
+    tf_rdma::StartCollective(spec, reinterpret_cast<const uint8_t*>(in.data()),
+                             reinterpret_cast<uint8_t*>(out.data()), sum,
+                             [&](const Status& s) {
+                               status = s;
+                               done.store(true, std::memory_order_release);
+                             });
+    // Bounded: every wait of the collective is (its timeout ends it).
+    while (!done.load(std::memory_order_acquire)) std::this_thread::yield();
+    times[2 * i + 1] = now_ns();
+    if (!status.ok()) return Fail(status, err, errlen);
+  }
+  const float expected = static_cast<float>(spec.group.size());
+  for (int64_t k = 0; k < count; ++k) {
+    if (out[k] != expected) {
+      return Fail(Status(Code::kInternal,
+                         "wrong sum at element " + std::to_string(k) + ": " +
+                             std::to_string(out[k]) + ", expected " +
+                             std::to_string(expected)),
+                  err, errlen);
+    }
+  }
+  return 0;
 }
 
 // The stall inspector's registration of a wait and its end, n times:

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 
+#include "kernels/common/reduce.h"
 #include "kernels/engine/collective.h"
 #include "kernels/engine/engine.h"
 #include "kernels/ops/tf_status.h"
@@ -102,48 +103,6 @@ instance: names this collective; the same on every rank, distinct for
   collectives that may run concurrently.
 block_bytes: the pipelining unit. depth: blocks in flight per channel.
 )doc");
-
-template <typename T>
-struct SumOp {
-  T operator()(T a, T b) const { return a + b; }
-};
-template <typename T>
-struct ProdOp {
-  T operator()(T a, T b) const { return a * b; }
-};
-template <typename T>
-struct MinOp {
-  T operator()(T a, T b) const { return b < a ? b : a; }
-};
-template <typename T>
-struct MaxOp {
-  T operator()(T a, T b) const { return a < b ? b : a; }
-};
-
-// The reductions run over every byte a collective reduces, so they must be
-// vector code. GCC at -O2 vectorizes a loop only if no scalar remainder and
-// no run-time alias check are needed ("very cheap" cost model), which left
-// these loops one element per instruction: ReduceInto was 34% of the CPU
-// time of a 64 MiB ring allreduce (perf, 2 ranks, 2026-12-06). The dynamic
-// cost model vectorizes them, with a check that `dst` and `a` (the same
-// buffer for an in-place sum) do not overlap otherwise. Element-wise, so
-// the results are the scalar loop's, bit for bit.
-#if defined(__GNUC__) && !defined(__clang__)
-#define TF_RDMA_VECTORIZE \
-  __attribute__((optimize("tree-vectorize", "vect-cost-model=dynamic")))
-#else
-#define TF_RDMA_VECTORIZE
-#endif
-
-template <typename T, template <typename> class Op>
-TF_RDMA_VECTORIZE void ReduceInto(void* dst, const void* a, const void* b,
-                                  uint64_t count) {
-  T* d = static_cast<T*>(dst);
-  const T* x = static_cast<const T*>(a);
-  const T* __restrict y = static_cast<const T*>(b);
-  Op<T> op;
-  for (uint64_t i = 0; i < count; ++i) d[i] = op(x[i], y[i]);
-}
 
 template <typename T>
 TF_RDMA_VECTORIZE void DivideBy(void* buf, uint64_t count, int divisor) {
