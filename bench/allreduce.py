@@ -185,7 +185,7 @@ SMALL_RUNS = 300
 BURSTS = 5
 BURST_WARMUP = 1
 BURST_CALLS = 50
-#: At the small sizes (DISPATCH_SIZES, where P <= the host's CPUs) the
+#: At the small sizes (DISPATCH_SIZES, where P <= the CPUs) the
 #: exchange is also timed without TensorFlow: tf_rdma's LOOP_ALGORITHM
 #: driven from C (tfrdma_allreduce_loop) and Open MPI's Allreduce from its
 #: Python loop, LOOP_ROUNDS rounds of LOOP_CALLS calls back to back, each
@@ -484,11 +484,12 @@ class _Rank:
             of ``time.perf_counter``).
           sync: The ranks' barrier, before every loop.
 
-        Only where the ranks have a CPU each: where they share CPUs a loop
-        measures who waits for a core. A loop that fails ends the loops on
-        this rank (kept in ``loop_errors`` and printed).
+        Only with ``--loops``, which the orchestrator passes where the
+        ranks have a CPU each: where they share CPUs a loop measures who
+        waits for a core. A loop that fails ends the loops on this rank
+        (kept in ``loop_errors`` and printed).
         """
-        if self.nranks > (os.cpu_count() or 1):
+        if not self.args.loops:
             return
         cool = cache_bytes()
         for size in self.args.sizes:
@@ -936,6 +937,9 @@ def run_group(kind, nranks, args, workdir):
             worker.append("--no-calibrate")
         if args.block_bytes:
             worker += ["--block-bytes", str(args.block_bytes)]
+    if kind in ("tf_rdma", "mpi") and \
+            nranks <= len(os.sched_getaffinity(0)):
+        worker.append("--loops")  # a CPU per rank: time the exchange alone
     shm_prefix = f"tf_rdma_bench_floor_{os.getpid()}_P{nranks}"
     if kind == FLOOR:
         worker += ["--shm-prefix", shm_prefix, "--floor-block",
@@ -1786,6 +1790,9 @@ def build_parser():
                              "each step over whole chunks)")
     # Internal: the floor's /dev/shm file names (PREFIX.<rank>).
     parser.add_argument("--shm-prefix", help=argparse.SUPPRESS)
+    # Internal: time the exchange without TensorFlow too (_Rank.loops).
+    parser.add_argument("--loops", action="store_true",
+                        help=argparse.SUPPRESS)
     return parser
 
 
