@@ -638,10 +638,12 @@ loop = _loader.load().c.tfrdma_allreduce_loop
 times = (ctypes.c_int64 * 2)()
 err = ctypes.create_string_buffer(256)
 found = []
-for algorithm, count, calls in ((b"fastest", 1, 1), (b"oneshot", 0, 1),
-                                (b"oneshot", 1, 0)):
-    code = loop(task.encode(), 0, algorithm, count, 4, calls, 0, times, err,
-                len(err))
+for algorithm, count, calls, cool in ((b"fastest", 1, 1, 0),
+                                      (b"oneshot", 0, 1, 0),
+                                      (b"oneshot", 1, 0, 0),
+                                      (b"oneshot", 1, 1, 1 << 62)):
+    code = loop(task.encode(), 0, algorithm, count, 4, calls, cool, times,
+                err, len(err))
     found.append([code, err.value.decode()])
 result(found)
 """
@@ -654,3 +656,5 @@ def test_the_engine_loop_names_bad_input():
         "oneshot)" in found[0][1]
     assert "got 0, 1 and 0" in found[1][1]
     assert "got 1, 0 and 0" in found[2][1]
+    assert ("cannot allocate 1 floats twice and 4611686018427387904 bytes "
+            "to cool the caches with") in found[3][1]

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -181,8 +182,20 @@ int tfrdma_allreduce_loop(const char* group, int rank, const char* algorithm,
   spec.count = static_cast<uint64_t>(count);
   spec.element_bytes = sizeof(float);
   if (block_bytes > 0) spec.block_bytes = static_cast<uint64_t>(block_bytes);
-  std::vector<float> in(count, 1.0f), out(count, 0.0f);
-  std::vector<uint8_t> cool(static_cast<size_t>(cool_bytes));
+  std::vector<float> in, out;
+  std::vector<uint8_t> cool;
+  try {
+    in.assign(count, 1.0f);
+    out.assign(count, 0.0f);
+    cool.assign(static_cast<size_t>(cool_bytes), 0);
+  } catch (const std::exception& e) {  // bad_alloc, length_error
+    return Fail(Status(Code::kResourceExhausted,
+                       "cannot allocate " + std::to_string(count) +
+                           " floats twice and " + std::to_string(cool_bytes) +
+                           " bytes to cool the caches with (" + e.what() +
+                           ")"),
+                err, errlen);
+  }
   const tf_rdma::ReduceFn sum =
       tf_rdma::ReduceInto<float, tf_rdma::SumOp>;
   auto now_ns = [] {
