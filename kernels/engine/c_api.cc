@@ -2,8 +2,6 @@
 // same shared object: tf_rdma.Server starts the endpoint through it. Plain C
 // types only; errors come back as a message in a caller-owned buffer.
 
-#include <time.h>
-
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +17,7 @@
 #include "kernels/common/wait.h"
 #include "kernels/engine/collective.h"
 #include "kernels/engine/engine.h"
+#include "kernels/engine/engine_internal.h"
 #include "kernels/transport/factory.h"
 
 namespace {
@@ -143,14 +142,14 @@ int64_t tfrdma_trace_bench(int64_t n) {
 // tf_rdma.collectives name) among `group` (its tasks, one a line; this
 // process is group[rank]), called back to back from this thread, as a
 // C program calls MPI_Allreduce. Before every call it touches `cool_bytes`
-// of memory, a write to every 64-byte line (0: nothing): the caches a call
-// then meets are those a call through TensorFlow meets after the op's
-// dispatch, which reads and writes far more than the L2 holds, where a
-// loop of calls alone finds the collective's buffers and state in the L1.
-// Writes call i's start and end (CLOCK_MONOTONIC ns, the clock of Python's
-// time.perf_counter, so the ranks' calls line up) into times[2 i] and
-// times[2 i + 1]. Every rank's input is 1: the last call's result must be
-// the group's size everywhere. Returns 0, or a tf_rdma::Code with the
+// of memory, a write to every 64-byte line (0: nothing), so that the call
+// finds its data as cold as after TensorFlow's dispatch of an op, which
+// reads and writes more than the L2 holds (the dispatch evicts code too,
+// which this does not: docs/benchmarks.md). Writes call i's start and end
+// (NanosSinceEpoch: the clock of Python's time.perf_counter and of the
+// engine's last_collective, so the ranks' calls line up) into times[2 i]
+// and times[2 i + 1]. Every rank's input is 1: the last call's result must
+// be the group's size everywhere. Returns 0, or a tf_rdma::Code with the
 // message in err.
 int tfrdma_allreduce_loop(const char* group, int rank, const char* algorithm,
                           int64_t count, int64_t block_bytes, int64_t calls,
@@ -198,16 +197,11 @@ int tfrdma_allreduce_loop(const char* group, int rank, const char* algorithm,
   }
   const tf_rdma::ReduceFn sum =
       tf_rdma::ReduceInto<float, tf_rdma::SumOp>;
-  auto now_ns = [] {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  };
   for (int64_t i = 0; i < calls; ++i) {
     for (size_t k = 0; k < cool.size(); k += 64) cool[k] += 1;
     std::atomic<bool> done{false};
     Status status;
-    times[2 * i] = now_ns();
+    times[2 * i] = tf_rdma::NanosSinceEpoch(tf_rdma::Clock::now());
     tf_rdma::StartCollective(spec, reinterpret_cast<const uint8_t*>(in.data()),
                              reinterpret_cast<uint8_t*>(out.data()), sum,
                              [&](const Status& s) {
@@ -216,7 +210,7 @@ int tfrdma_allreduce_loop(const char* group, int rank, const char* algorithm,
                              });
     // Bounded: every wait of the collective is (its timeout ends it).
     while (!done.load(std::memory_order_acquire)) std::this_thread::yield();
-    times[2 * i + 1] = now_ns();
+    times[2 * i + 1] = tf_rdma::NanosSinceEpoch(tf_rdma::Clock::now());
     if (!status.ok()) return Fail(status, err, errlen);
   }
   const float expected = static_cast<float>(spec.group.size());
