@@ -449,21 +449,51 @@ def test_free_ports_zero_and_bad_arguments():
 
 
 def test_free_ports_avoids_taken_endpoint_port():
-    # Hold many ports; none of them may be returned either as p or as p + offset.
+    # Hold 50 of the 512 candidates of offset 64000 (ports 1024..1535, each
+    # tried once); none of them may be returned as p or as p + offset.
+    offset = 64000
     held = []
     try:
-        for _ in range(50):
+        for port in range(1024, 1536, 10):
             sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
             sock.listen()
             held.append(sock)
+        assert len(held) >= 20, "too few of ports 1024..1535 are free here"
         taken = {s.getsockname()[1] for s in held}
-        offset = 7
-        for port in C.free_ports(20, offset):
-            assert port not in taken and port + offset not in taken
+        ports = C.free_ports(20, offset)
+        assert not set(ports) & taken
+        assert not {p + offset for p in ports} & taken
     finally:
         for sock in held:
             sock.close()
+
+
+@pytest.mark.parametrize("offset", [1, 1000])
+def test_free_ports_stay_out_of_the_ephemeral_range(offset):
+    # Outgoing connections get their local ports from that range: a port
+    # picked there could be a connection's before its server binds it.
+    given = C._ephemeral_ports()
+    if given is None:
+        pytest.skip("this system does not say its ephemeral port range")
+    first, last = given
+    for port in C.free_ports(40, offset):
+        assert not first <= port <= last, (port, given)
+        assert not first <= port + offset <= last, (port + offset, given)
+
+
+def test_ephemeral_ports_reads_the_kernels_range(tmp_path):
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("32768\t60999\n")
+    assert C._ephemeral_ports(str(path)) == (32768, 60999)
+    for text in ("", "32768", "60999 32768", "0 100", "1 70000", "a b"):
+        path.write_text(text)
+        assert C._ephemeral_ports(str(path)) is None, text
+    assert C._ephemeral_ports(str(tmp_path / "absent")) is None
 
 
 def test_free_ports_bad_host_is_config_error():

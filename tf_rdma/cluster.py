@@ -599,6 +599,24 @@ def _bind_test(family, host, port):
     return sock
 
 
+def _ephemeral_ports(path="/proc/sys/net/ipv4/ip_local_port_range"):
+    """The range of ports the kernel gives outgoing connections.
+
+    Args:
+        path: Where the kernel says it (Linux's ``ip_local_port_range``).
+
+    Returns:
+        ``(first, last)``, both included, or None where the file is absent
+        or does not hold two ports in order.
+    """
+    try:
+        with open(path) as f:
+            first, last = (int(word) for word in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return (first, last) if 0 < first <= last <= _MAX_PORT else None
+
+
 def free_ports(n, offset=None, host="127.0.0.1", env=None):
     """Picks gRPC ports whose endpoint ports are free as well.
 
@@ -607,7 +625,11 @@ def free_ports(n, offset=None, host="127.0.0.1", env=None):
     ``p`` equals any ``q + offset``, so the 2n ports are all distinct. The
     ports are released before returning: another process can still take one
     before the servers bind it, which a launcher reports as a server that
-    failed to start.
+    failed to start. To make that rare, neither port is in the range the
+    kernel takes the local ports of outgoing connections from (Linux's
+    ``ip_local_port_range``) unless too few ports are left outside it: a
+    connection any process opens meanwhile (a gRPC channel, a peer's dial)
+    could otherwise be given the very port a server is about to bind.
 
     Args:
         n: How many gRPC ports to pick.
@@ -632,18 +654,29 @@ def free_ports(n, offset=None, host="127.0.0.1", env=None):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     bind_host = host.strip("[]")
 
-    # Random ports from a range above the usual well-known services, kept
-    # below 65535 - offset so that the endpoint fits.
+    # Random ports above the usual well-known services, kept below
+    # 65535 - offset so that the endpoint fits, and outside the ephemeral
+    # range where enough are left there.
     high = _MAX_PORT - offset
-    low = 20000 if high - 20000 >= 4 * n + 64 else 1024
+    enough = 4 * n + 64
+    low = 20000 if high - 20000 >= enough else 1024
+    pool = range(low, high + 1)
+    ephemeral = _ephemeral_ports()
+    if ephemeral is not None:
+        given_from, given_to = ephemeral
+        quiet = [p for p in pool
+                 if not (given_from <= p <= given_to
+                         or given_from <= p + offset <= given_to)]
+        if len(quiet) >= enough:
+            pool = quiet
+    low, high = pool[0], pool[-1]  # for the error message
     rng = random.SystemRandom()
-    span = high - low + 1
-    if span < 4096:
+    if len(pool) < 4096:
         # Few candidates (a large offset): try each of them once, in random order.
-        candidates = list(range(low, high + 1))
+        candidates = list(pool)
         rng.shuffle(candidates)
     else:
-        candidates = (rng.randint(low, high) for _ in range(200 * n + 1000))
+        candidates = (rng.choice(pool) for _ in range(200 * n + 1000))
     held = []  # sockets kept bound until all ports are picked
     taken = set()
     ports = []
@@ -666,7 +699,8 @@ def free_ports(n, offset=None, host="127.0.0.1", env=None):
         if len(ports) < n:
             raise OSError(
                 f"free_ports: found only {len(ports)} of {n} free port pairs "
-                f"(port, port + {offset}) on {host} among ports {low}..{high}"
+                f"(port, port + {offset}) on {host} among {len(pool)} candidates "
+                f"from {low} to {high}"
             )
     finally:
         for sock in held:

@@ -30,7 +30,8 @@ signal N; 130 when the launcher was interrupted).
 
 The gRPC ports are picked at random among free ports such that each tf_rdma
 endpoint port (gRPC port + ``TF_RDMA_PORT_OFFSET``, default 1000) is free as
-well; see :mod:`tf_rdma.cluster` for the address rule.
+well, both outside the kernel's range for outgoing connections' ports; see
+:mod:`tf_rdma.cluster` for the address rule and :func:`tf_rdma.cluster.free_ports`.
 """
 
 import argparse
