@@ -1,7 +1,5 @@
 #include "kernels/engine/collective.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -815,7 +813,7 @@ Status Runner::LpAllGather() {
 // allreduce = reduce to rank 0, then broadcast from it; allgather = each
 // subtree's pieces gathered to rank 0 (contiguous), then broadcast.
 Status Runner::Tree() {
-  int parent;
+  int parent = -1;  // set by TreeLinks
   std::vector<int> children;
   auto up = [&] {
     return parent < 0 ? std::vector<int>{} : std::vector<int>{parent};
@@ -1114,16 +1112,6 @@ Status Runner::OneShotReduce(uint64_t at, uint64_t n,
   return Status::Ok();
 }
 
-// Between two looks at the blocks the pause-spin waits one pause (26 ns,
-// 68 cycles, on the 2-vCPU AMD EPYC VM): a block that lands is seen about
-// that soon. It waited 32 pauses a look, 0.8 µs there, and two processes
-// exchanging 4 KiB through shared memory in C took 0.51 to 0.58 µs an
-// exchange polling that way against 0.10 to 0.12 µs looking every pause
-// (2026-12-06). The clock (25 ns a read there) is read every
-// kLooksPerClockRead looks; a poll that yields reads it every look (a
-// yield costs more than a read).
-constexpr uint32_t kLooksPerClockRead = 32;
-
 // The inline path (StartCollective): a oneshot collective of one block on
 // the op's own thread.
 //
@@ -1140,17 +1128,11 @@ constexpr uint32_t kLooksPerClockRead = 32;
 // VM (docs/benchmarks.md, "Small messages"): more than a small
 // collective's whole exchange. The hand-off stays for the waits: a
 // collective that waits must not hold TensorFlow's inter-op thread.
-// Where this host runs more of the cluster's tasks than it has CPUs
-// (Engine::shares_cores), the poll yields the core between its looks: the
-// peer it waits for is then often runnable on this very core, and a
-// pause-spin would hold the core from it for the whole budget. Measured
-// (P = 4 on 2 vCPUs, 4 KiB, loops of 100 calls back to back, slowest
-// rank): 578 to 583 µs a call with the pause, 448 µs with the yield, where
-// an empty call took 436 to 441 and 411 to 413 µs (docs/benchmarks.md,
-// "Small messages").
-// Cost: the op's thread polls for at most the spin's budget of its clock
-// (a yield can overrun it by the time slice it gave away); the result is
-// the same bits as OneShot()'s (same order of operands).
+// The poll is PollFor's (wait.h): it yields the core between its looks
+// where this host runs more of the cluster's tasks than it has CPUs
+// (Engine::shares_cores).
+// Cost: the op's thread polls for at most the spin's budget (PollFor); the
+// result is the same bits as OneShot()'s (same order of operands).
 bool Runner::Inlinable() const {
   if (spec_.algorithm != Algorithm::kOneShot) return false;
   uint64_t piece = spec_.kind == CollectiveKind::kAllGather
@@ -1249,24 +1231,18 @@ bool Runner::RecvOneBlock(bool may_wait, Status* status) {
     const Clock::time_point until =
         Clock::now() + std::chrono::microseconds(std::max(
                            spin_us_, engine_->config().poll_us));
-    const bool yields = engine_->shares_cores();
-    for (uint32_t look = 1; left > 0; ++look) {
+    auto all_there = [&] {
       for (size_t i = 0; i < recvs_.size(); ++i) {
         if (!arrived_[i] && engine_->TakeRecvNow(&recvs_[i])) {
           arrived_[i] = 1;
           --left;
         }
       }
-      if (left == 0) break;
-      if ((yields || look % kLooksPerClockRead == 0) && Clock::now() >= until) {
-        polled_ = true;
-        return false;
-      }
-      if (yields) {
-        sched_yield();  // the peer it polls for may be waiting for this core
-      } else {
-        CpuRelax();
-      }
+      return left == 0;
+    };
+    if (!PollFor(all_there, until, engine_->shares_cores())) {
+      polled_ = true;
+      return false;
     }
     return true;
   }

@@ -308,7 +308,8 @@ class Engine {
   // caller's thread. Handing a wait to an engine thread and waking it when
   // the data lands costs tens of microseconds per transfer (measured: a
   // 4 KiB ping-pong round trip fell from ~200 to ~50 us with 50 us of
-  // polling); a peer that answers quickly lands within the poll.
+  // polling); a peer that answers quickly lands within the poll. The poll
+  // is PollFor's (wait.h), which yields where the host's tasks share cores.
   bool PollRecv(RecvTicket* ticket);
   // Waits for the data on this thread (bounded by the ticket's timeout); on
   // failure the step has been given back. For engine threads (collectives).

@@ -107,15 +107,9 @@ bool Engine::PollRecv(RecvTicket* ticket) {
 }
 
 bool Engine::PollRecvFor(RecvTicket* ticket) {
-  Clock::time_point until =
-      Clock::now() + std::chrono::microseconds(config_.poll_us);
-  while (Clock::now() < until) {
-    for (int i = 0; i < 32; ++i) {
-      if (TryRecvNow(ticket)) return true;
-      CpuRelax();
-    }
-  }
-  return false;
+  return PollFor([&] { return TryRecvNow(ticket); },
+                 Clock::now() + std::chrono::microseconds(config_.poll_us),
+                 shares_cores_);
 }
 
 Status Engine::FinishRecv(RecvTicket* ticket) {
