@@ -228,7 +228,43 @@ def test_the_first_collective_logs_how_collectives_wait(setting):
             how += "; their inline poll yields the core between its looks"
         if setting == "auto" or cpus < 2:
             how += f" {host}"
+        if cpus < 2 and os.sysconf("SC_NPROCESSORS_ONLN") > cpus:
+            how += _bound_hint(cpus)
         assert lines[0].endswith(how), lines
+
+
+def _bound_hint(cpus):
+    return (f"; this process may use {cpus} of the host's "
+            f"{os.sysconf('SC_NPROCESSORS_ONLN')} CPUs: where each task is "
+            f"bound to CPUs of its own, set TF_RDMA_HOST_CPUS to the number "
+            f"they share")
+
+
+@pytest.mark.parametrize("host_cpus", [None, "2"])
+def test_tasks_bound_by_someone_else_are_told_about_host_cpus(host_cpus):
+    """Two tasks that taskset binds to one CPU each cannot tell whether it
+    is the same CPU: they poll as tasks that share one and say how to tell
+    them otherwise; with TF_RDMA_HOST_CPUS they spin, and say nothing more."""
+    if os.sysconf("SC_NPROCESSORS_ONLN") < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to bind the tasks to")
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    env = {"TF_RDMA_COLLECTIVE_SPIN_US": "auto"}
+    if host_cpus:
+        env["TF_RDMA_HOST_CPUS"] = host_cpus
+    out = run_tasks({"worker:0": COLLECTIVE, "worker:1": COLLECTIVE}, env=env,
+                    prefixes={"worker:0": ["taskset", "-c", str(first)],
+                              "worker:1": ["taskset", "-c", str(second)]})
+    for res in out.values():
+        assert res.result["got"] == [[2.0] * 4] * 2
+        assert res.result["shares_cores"] == (host_cpus is None)
+        assert res.result["spin"] == (0 if host_cpus is None else 500)
+        line = _log_lines(res.stderr, "collectives ")[0]
+        if host_cpus is None:
+            assert line.endswith(
+                "their inline poll yields the core between its looks (2 tasks "
+                "of the cluster on this host, 1 CPU)" + _bound_hint(1)), line
+        else:
+            assert "TF_RDMA_HOST_CPUS" not in line, line
 
 
 @pytest.mark.parametrize("host_cpus, spin", [("2", 500), ("1", 0)])

@@ -228,6 +228,18 @@ void Engine::ResolveCollectiveSpin(int tasks_here) {
     spin_choice_ += "; their inline poll yields the core between its looks";
   }
   if (automatic || shares_cores_) spin_choice_ += " (" + host + ")";
+  // A process bound to part of the host by something other than tf-rdma
+  // launch (taskset, numactl, a batch system's CPU binding) cannot tell
+  // whether its peers on the host are bound to the same CPUs or to their
+  // own: it assumes the same (a pause-spin where the peer needs the core
+  // would cost the whole spin), and says how to tell it otherwise.
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  if (shares_cores_ && !bound && online > ncpus) {
+    spin_choice_ += "; this process may use " + std::to_string(ncpus) +
+                    " of the host's " + std::to_string(online) +
+                    " CPUs: where each task is bound to CPUs of its own, "
+                    "set TF_RDMA_HOST_CPUS to the number they share";
+  }
 }
 
 void Engine::LogCollectiveSpin() {
