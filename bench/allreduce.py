@@ -78,8 +78,10 @@ their per-call times to a file, which the orchestrator collects:
 Timing, the same for every system: every rank builds its input once per
 size, calls each variant twice as warm-up (the first call traces the
 function and sets up the collective), then does --runs rounds (at least
-SMALL_RUNS = 300 for sizes up to 1 MiB); in a round every variant is timed
-once (variants interleaved, so a slow phase of the machine hits them all).
+SMALL_RUNS = 300 for sizes up to 1 MiB); up to 1 MiB every variant is timed
+once in a round (variants interleaved, so a slow phase of the machine hits
+them all), above it each variant's calls come in a block of their own, as
+Open MPI's loop (see schedule()).
 Before every timed call the ranks synchronise with a 4-byte allreduce of
 the same system (``MPI_Barrier`` for Open MPI, the TCP barrier for the
 floor), then each rank times its call until the result is there (for
@@ -275,6 +277,24 @@ def system_names(kind, algorithms):
 # --- worker (one rank of one system) ---
 
 
+def schedule(size, names, calls):
+    """The order of a size's timed calls: ``(call index, variant)`` pairs.
+
+    Up to SMALL_SIZE the variants take turns, one call each per round, so
+    that a slow phase of the machine hits them all: their differences are
+    µs, which a drift between blocks of calls would blur, and all their
+    buffers fit in the caches together. Above it each variant makes all its
+    calls in a block of its own, as Open MPI's loop does: taking turns,
+    each call would find the caches full of the other variants' results
+    (one of the size per variant and rank), which no loop of one
+    collective pays (on a VM with a 300 MiB L3, ring at 64 MiB and P = 2
+    took 12.1 ms among four algorithms and 9.9 to 10.5 ms alone).
+    """
+    if size <= SMALL_SIZE:
+        return [(r, name) for r in range(calls) for name in names]
+    return [(r, name) for name in names for r in range(calls)]
+
+
 def rounds(size, runs):
     """Timed rounds for a message of ``size`` bytes: ``runs``, and at least
     SMALL_RUNS up to SMALL_SIZE."""
@@ -367,8 +387,8 @@ class _Rank:
                       flush=True)
 
             runs = rounds(size, self.args.runs)
-            for r in range(WARMUP + runs):
-                for name in list(variants):
+            for r, name in schedule(size, list(variants), WARMUP + runs):
+                if name in variants:
                     try:
                         sync()
                         c0 = time.process_time()

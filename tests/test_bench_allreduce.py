@@ -602,6 +602,19 @@ def test_small_sizes_print_the_exchange_without_tensorflow(bench):
     assert "loop_s" not in check["measured"]
 
 
+def test_variants_take_turns_up_to_1m_and_come_in_blocks_above(bench):
+    names = ["tf_rdma-ring", "tf_rdma-tree", "tf_rdma-empty"]
+    small = bench.schedule(bench.SMALL_SIZE, names, 3)
+    assert small[:4] == [(0, "tf_rdma-ring"), (0, "tf_rdma-tree"),
+                         (0, "tf_rdma-empty"), (1, "tf_rdma-ring")]
+    large = bench.schedule(bench.SMALL_SIZE + 1, names, 3)
+    assert large[:4] == [(0, "tf_rdma-ring"), (1, "tf_rdma-ring"),
+                         (2, "tf_rdma-ring"), (0, "tf_rdma-tree")]
+    for order in (small, large):  # every variant's every call, once
+        assert sorted(order) == sorted((r, n) for r in range(3)
+                                       for n in names)
+
+
 def test_cache_bytes_reads_the_l2_from_sysfs(bench):
     size = bench.cache_bytes()
     assert size >= 64 * KiB and size % KiB == 0

@@ -391,15 +391,25 @@ class CollectiveOp : public AsyncOpKernel {
     const int size = static_cast<int>(spec.group.size());
     const bool has_pieces = !pieces.empty();
     // On this thread if the call needs no wait, else on an engine thread
-    // (StartCollective); the tensors stay referenced until then.
+    // (StartCollective); the tensors stay referenced until then, and no
+    // longer. The engine thread keeps this callback a while after it
+    // returns, and the caller that done() wakes often runs first (a task
+    // bound to one CPU): a reference still held here then makes the next
+    // call's Pooled() find its buffer taken and use another one, so the
+    // calls alternate between two result buffers, twice the memory a
+    // large result moves through the caches (a 64 MiB ring allreduce of
+    // two bound ranks took 11 instead of 9.5 ms in the engine).
     StartCollective(
         spec,
         has_pieces ? nullptr : static_cast<const uint8_t*>(source.data()),
         data, reduce_,
         [this, ctx, done, buffer, source, inputs, divide, data,
-         count = spec.count, size](const Status& s) {
+         count = spec.count, size](const Status& s) mutable {
           if (s.ok() && divide) divide_(data, count, size);
           ctx->SetStatus(ToTf(s));
+          buffer = Tensor();
+          source = Tensor();
+          inputs.clear();
           done();
         },
         std::move(pieces));
@@ -497,9 +507,10 @@ class AllGatherVOp : public AsyncOpKernel {
                           "allgatherv concatenates along axis 0; a scalar "
                           "has none"),
                       done);
-    Tensor keep = in;
-    Engine::Get()->Schedule([this, ctx, done, keep]() {
+    Tensor keep = in;  // until the gather is done, as the callback above
+    Engine::Get()->Schedule([this, ctx, done, keep]() mutable {
       ctx->SetStatus(ToTf(Gather(ctx, keep)));
+      keep = Tensor();
       done();
     });
   }

@@ -175,16 +175,21 @@ class SendOp : public AsyncOpKernel {
       engine->HelpRecvs();
       return;
     }
-    Tensor keep = input;  // holds the input buffer until the write is done
+    // `keep` holds the input buffer until the write is done, and no
+    // longer: the engine thread keeps this closure a while after done()
+    // (see the collective op's callback, collective_ops.cc).
+    Tensor keep = input;
     bool dynamic = dynamic_;
     engine->Schedule(
-        [this, ctx, done, ticket, keep, meta, dynamic, engine, nbytes]() {
+        [this, ctx, done, ticket, keep, meta, dynamic, engine,
+         nbytes]() mutable {
           const void* data = keep.tensor_data().data();
           Status s = dynamic ? engine->FinishSendDynamic(ticket, data, meta)
                              : engine->FinishSend(ticket, data);
           TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
                   ticket.call, nbytes);
           ctx->SetStatus(ToTf(s));
+          keep = Tensor();
           done();
         });
   }
