@@ -669,7 +669,6 @@ def free_ports(n, offset=None, host="127.0.0.1", env=None):
                          or given_from <= p + offset <= given_to)]
         if len(quiet) >= enough:
             pool = quiet
-    low, high = pool[0], pool[-1]  # for the error message
     rng = random.SystemRandom()
     if len(pool) < 4096:
         # Few candidates (a large offset): try each of them once, in random order.
@@ -700,7 +699,7 @@ def free_ports(n, offset=None, host="127.0.0.1", env=None):
             raise OSError(
                 f"free_ports: found only {len(ports)} of {n} free port pairs "
                 f"(port, port + {offset}) on {host} among {len(pool)} candidates "
-                f"from {low} to {high}"
+                f"from {pool[0]} to {pool[-1]}"
             )
     finally:
         for sock in held:
