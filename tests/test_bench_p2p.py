@@ -219,13 +219,53 @@ def test_tcp_is_checked_against_the_raw_socket_and_tabled(p2p, capsys):
     assert "socket" not in per_call, out
 
 
+def test_the_tcp_verdict_is_against_the_chains_buffers_not_one(p2p):
+    """With both socket baselines measured, the verdict is taken against
+    the socket that lands every hop in a buffer of its own (as the chain's
+    slots); the one-buffer socket is printed after it, not judged."""
+    results = [entry("tf_rdma-tcp", "p2p", 64 * MiB, 17e-3),
+               entry("socket", "p2p", 64 * MiB, 16e-3),
+               entry("socket-one-buffer", "p2p", 64 * MiB, 13e-3)]
+    (line,) = p2p.check_lines(results)
+    verdict, one_buffer = line.split("; ", 1)
+    assert "= 94% of a raw loopback socket" in verdict, line
+    assert verdict.endswith(": met"), line
+    assert "one buffer a side" in one_buffer and "(76%)" in one_buffer, line
+    swapped = [dict(r, median_s={"socket": 13e-3, "socket-one-buffer": 16e-3
+                                 }.get(r["system"], r["median_s"]))
+               for r in results]
+    (line,) = p2p.check_lines(swapped)
+    assert line.split("; ", 1)[0].endswith(": MISSED"), line
+
+
 def test_the_socket_chain_moves_the_bytes_it_times(p2p):
     """bench/_harness/socket_chain.py really moves the bytes: a chain of
-    even and of odd length over loopback returns one positive time per run
-    (an odd chain ends at the peer, which acknowledges)."""
+    even and of odd length over loopback, through the chain's buffers
+    (depth 1 and 2) and through one, returns one positive time per run (an
+    odd chain ends at the peer, which acknowledges; an even one checks the
+    bytes that came back)."""
     for size, hops in ((64 * KiB + 3, 4), (1000, 3)):
-        times = p2p.measure_socket_chain(size, hops, runs=3, warmup=1)
-        assert len(times) == 3 and all(t > 0 for t in times), times
+        for depth, reuse in ((1, False), (2, False), (2, True)):
+            times = p2p.measure_socket_chain(size, hops, runs=3, warmup=1,
+                                             depth=depth,
+                                             reuse_one_buffer=reuse)
+            assert len(times) == 3 and all(t > 0 for t in times), times
+
+
+def test_the_socket_chain_lands_hops_as_the_plan_lands_them(p2p):
+    """A side receives hop i of chain r into buffer (r mod depth, i // 2):
+    a distinct buffer per hop it receives and per copy of the depth, the
+    same one again `depth` chains later; one buffer for every hop when
+    asked to reuse one."""
+    # bench/_harness/socket_chain.py, as p2p.py imported it.
+    Landing = sys.modules[p2p.measure_socket_chain.__module__].Landing
+    # The echo side of a chain of 4 receives hops 0 and 2.
+    landing = Landing(16, receives=2, depth=2, reuse_one_buffer=False)
+    seen = [landing.buffer(r, i) for r in (0, 1) for i in (0, 2)]
+    assert len({id(v) for v in seen}) == 4
+    assert landing.buffer(2, 2) is landing.buffer(0, 2)
+    one = Landing(16, receives=2, depth=2, reuse_one_buffer=True)
+    assert len({id(one.buffer(r, i)) for r in range(3) for i in (0, 2)}) == 1
 
 
 # --- verbs: hardware or softnic, and the label that says which ---
