@@ -13,13 +13,17 @@ starts a 2-task cluster with ``tf-rdma launch`` (``TF_RDMA_TRANSPORT`` set for
 the servers) and runs itself inside it as the client (``--client``); the
 client measures and prints its results as one JSON line on stdout, which the
 orchestrator collects. TensorFlow's own gRPC path is measured in the shm
-cluster with the same graphs; ``memcpy`` (a single-threaded numpy copy of the
-same bytes into a preallocated array) is measured in the orchestrator itself,
-and so, when tcp is measured, is ``socket``: the same chain of hops over a raw
-loopback TCP connection between two processes (bench/_harness/socket_chain.py),
-each hop received into a buffer of its own as the chain's slots, the ceiling
-of the tcp transport ("tcp % socket"); ``socket-one-buffer`` is the same
-chain received into one buffer a side, which touches less memory.
+cluster with the same graphs. The baselines are measured in the orchestrator
+itself: ``memcpy``, single-threaded numpy copies of the same bytes along the
+chain's buffers (each hop into a preallocated array of its own, as the
+chain's slots), the ceiling of a shm hop ("shm % memcpy"); and, when tcp is
+measured, ``socket``: the same chain of hops over a raw loopback TCP
+connection between two processes (bench/_harness/socket_chain.py), each hop
+received into a buffer of its own as the chain's slots, the ceiling of the
+tcp transport ("tcp % socket"). ``memcpy-one-buffer`` and
+``socket-one-buffer`` do the same through one buffer (a side), which touches
+less memory: faster where the caches hold one buffer but not the chain's
+(docs/benchmarks.md, "Memory bandwidth"); they are printed, not judged.
 
 Two views of a transfer are reported for every size:
 
@@ -110,9 +114,9 @@ TRANSPORTS = ("shm", "tcp", "verbs")
 DEFAULT_TRANSPORTS = ("shm", "tcp")  # verbs: on request (--nic: which NIC)
 SYSTEMS = ("tf_rdma-shm", "tf_rdma-tcp", "tf_rdma-verbs",
            "tf_rdma-verbs-emulated", "grpc", "socket", "socket-one-buffer",
-           "memcpy")
+           "memcpy", "memcpy-one-buffer")
 # Baselines the orchestrator measures itself, per hop only (no "p2p-call").
-BASELINES = ("socket", "socket-one-buffer", "memcpy")
+BASELINES = ("socket", "socket-one-buffer", "memcpy", "memcpy-one-buffer")
 OPS = ("p2p", "p2p-call")
 
 TASKS = ("/job:worker/task:0", "/job:worker/task:1")
@@ -402,15 +406,26 @@ def client_main(args):
 _MEMCPY_OFFSETS = (0, 64, 2048)
 
 
-def measure_memcpy(size, runs):
-    """Single-threaded numpy copy of `size` bytes into a preallocated array.
+def measure_memcpy(size, runs, hops=1, depth=1):
+    """Single-threaded numpy copies of `size` bytes, as a chain's hops make
+    them: seconds per copy.
+
+    The copies follow the chain's slots: hop i of call r copies the tensor
+    from where hop i - 1 put it (a source array for hop 0) into a
+    preallocated array of its own, (r mod depth, i), as the tf_rdma chain's
+    hop i lands in its slot's copy r mod depth (its plan gives each hop a
+    slot with `depth` copies). So the copies touch as much memory as the
+    chain: where the caches hold one array but not the chain's, that is
+    what decides the baseline (docs/benchmarks.md, "Memory bandwidth").
+    ``hops=1, depth=1`` is one source and one destination copied again and
+    again: the least memory a copy can touch.
 
     Small sizes are timed in batches (at least ~8 MiB copied per sample) and
     divided, so the timer's resolution does not dominate. glibc's memmove
     has slow paths for some relative alignments of source and destination
     (on some CPUs a copy is many times slower at one placement than at
-    another: docs/benchmarks.md, "Memory bandwidth"), so the destination is
-    tried at a few byte offsets and the fastest placement is the one
+    another: docs/benchmarks.md, "Memory bandwidth"), so the destinations
+    are tried at a few byte offsets and the fastest placement is the one
     measured: the baseline is the best a plain copy does.
     """
     import numpy as np
@@ -418,29 +433,50 @@ def measure_memcpy(size, runs):
     n = size // 4
     src = np.random.default_rng(size).random(n, dtype=np.float32)
     pad = max(_MEMCPY_OFFSETS) // 4
-    backing = np.empty(n + pad, dtype=np.float32)
+    backings = [np.empty(n + pad, dtype=np.float32)
+                for _ in range(hops * depth)]
     reps = max(1, (8 * MiB) // size)
 
-    def sample(dst, count):
+    def placed(offset):
+        return [b[offset // 4:offset // 4 + n] for b in backings]
+
+    def chain(slots):
+        """(source, destination) of every copy, call after call."""
+        r = 0
+        while True:
+            held = src
+            for i in range(hops):
+                dst = slots[(r % depth) * hops + i]
+                yield held, dst
+                held = dst
+            r += 1
+
+    def sample(copies, count):
+        pairs = [next(copies) for _ in range(count)]
         t0 = time.perf_counter()
-        for _ in range(count):
-            np.copyto(dst, src)
+        for source, dst in pairs:
+            np.copyto(dst, source)
         return (time.perf_counter() - t0) / count
 
     probes = []
     for offset in _MEMCPY_OFFSETS:
-        dst = backing[offset // 4:offset // 4 + n]
-        np.copyto(dst, src)  # fault the pages in
-        probes.append((min(sample(dst, reps) for _ in range(2)), offset))
-    offset = min(probes)[1]
-    dst = backing[offset // 4:offset // 4 + n]
+        slots = placed(offset)
+        for dst in slots:
+            np.copyto(dst, src)  # fault the pages in
+        copies = chain(slots)
+        probes.append((min(sample(copies, reps) for _ in range(2)), offset))
+    slots = placed(min(probes)[1])
+    for dst in slots:
+        dst.fill(0)  # each must be copied into again to pass the check
+    copies = chain(slots)
     times = []
     for r in range(WARMUP + runs):
-        dt = sample(dst, reps)
+        dt = sample(copies, reps * hops)
         if r >= WARMUP:
             times.append(dt)
-    if not np.array_equal(src.view(np.uint32), dst.view(np.uint32)):
-        raise RuntimeError("memcpy baseline: copy differs from the source")
+    if not all(np.array_equal(src.view(np.uint32), dst.view(np.uint32))
+               for dst in slots):
+        raise RuntimeError("memcpy baseline: a copy differs from the source")
     return times
 
 
@@ -708,6 +744,16 @@ def split_text(split):
     return text + ")"
 
 
+def _one_buffer_text(what, one_buffer_s, system_s):
+    """The one-buffer baseline after a 64 MiB verdict, "" when absent:
+    printed for what less memory gives, not judged."""
+    if not one_buffer_s:
+        return ""
+    return (f"; {what}, which touches less memory: "
+            f"{gbps(64 * MiB, one_buffer_s):.2f} GB/s "
+            f"({100 * one_buffer_s / system_s:.0f}%)")
+
+
 def check_lines(results, marginals=(), hop_floor=(), split=None):
     """The issue's targets, as printable lines (never asserted).
 
@@ -741,11 +787,14 @@ def check_lines(results, marginals=(), hop_floor=(), split=None):
                      f"{verdict(x >= TARGET_64M_VS_GRPC)}")
     if shm and mem:
         f = mem / shm
-        lines.append(f"64 MiB shm bandwidth: {gbps(64 * MiB, shm):.2f} GB/s "
-                     f"= {100 * f:.0f}% of memcpy "
-                     f"{gbps(64 * MiB, mem):.2f} GB/s (target >= "
-                     f"{100 * TARGET_64M_OF_MEMCPY:.0f}%): "
-                     f"{verdict(f >= TARGET_64M_OF_MEMCPY)}")
+        line = (f"64 MiB shm bandwidth: {gbps(64 * MiB, shm):.2f} GB/s "
+                f"= {100 * f:.0f}% of memcpy "
+                f"{gbps(64 * MiB, mem):.2f} GB/s through the chain's "
+                f"buffers (target >= {100 * TARGET_64M_OF_MEMCPY:.0f}%): "
+                f"{verdict(f >= TARGET_64M_OF_MEMCPY)}")
+        lines.append(line + _one_buffer_text(
+            "a memcpy from one buffer into one other",
+            get("memcpy-one-buffer", 64 * MiB), shm))
     tcp, sock = get("tf_rdma-tcp", 64 * MiB), get("socket", 64 * MiB)
     if tcp and sock:
         f = sock / tcp
@@ -754,13 +803,9 @@ def check_lines(results, marginals=(), hop_floor=(), split=None):
                 f"{gbps(64 * MiB, sock):.2f} GB/s through the chain's "
                 f"buffers (target >= {100 * TARGET_64M_TCP_OF_SOCKET:.0f}%): "
                 f"{verdict(f >= TARGET_64M_TCP_OF_SOCKET)}")
-        one = get("socket-one-buffer", 64 * MiB)
-        if one:
-            line += (f"; a socket receiving into one buffer a side, "
-                     f"which touches less memory: "
-                     f"{gbps(64 * MiB, one):.2f} GB/s "
-                     f"({100 * one / tcp:.0f}%)")
-        lines.append(line)
+        lines.append(line + _one_buffer_text(
+            "a socket receiving into one buffer a side",
+            get("socket-one-buffer", 64 * MiB), tcp))
     shm, grpc = get("tf_rdma-shm", 4 * KiB), get("grpc", 4 * KiB)
     if shm and grpc:
         x = grpc / shm
@@ -830,30 +875,41 @@ def emulated_lines(systems, verbs_nic):
 def orchestrate(args):
     run = Run("p2p", log)
     results = []
-    # memcpy is measured before and after the cluster runs (half the runs
-    # each, no cluster running), so that a slow phase of the machine shows in
-    # both the transfers and the baseline.
-    log("memcpy: numpy.copyto, single thread, same sizes")
-    memcpy = {size: measure_memcpy(size, (args.runs + 1) // 2)
-              for size in args.sizes}
-    # The raw socket, the tcp transport's ceiling, the same way.
-    measure_socket = "tcp" in args.transports
+    def chain_shape(size):
+        """H and the plan depth of the chain at `size`, as the client's."""
+        hops, depth = hops_for(size)
+        return args.hops or hops, depth
+
+    # The baselines are measured in the orchestrator before and after the
+    # cluster runs (half the runs each, no cluster running), so that a slow
+    # phase of the machine shows in both the transfers and the baselines.
+    # Each twice: through buffers placed as the chain's slots (the
+    # baseline of the checks) and through one.
+    def copies(size, runs):
+        """Both memcpy baselines' per-copy times for `size`, by system."""
+        hops, depth = chain_shape(size)
+        return {"memcpy": measure_memcpy(size, runs, hops, depth),
+                "memcpy-one-buffer": measure_memcpy(size, runs)}
 
     def socket_chains(size, runs):
         """Both socket baselines' per-hop times for `size`, by system."""
-        hops, depth = hops_for(size)
-        hops = args.hops or hops
+        hops, depth = chain_shape(size)
         return {system: measure_socket_chain(
                     size, hops, runs, WARMUP, depth,
                     reuse_one_buffer=system == "socket-one-buffer")
                 for system in ("socket", "socket-one-buffer")}
 
-    sockets = {}
+    # The raw socket, the tcp transport's ceiling, only where tcp runs.
+    measure_socket = "tcp" in args.transports
+    log("memcpy: numpy.copyto, single thread, the same sizes, through the "
+        "chain's buffers and through one")
+    baselines = {size: copies(size, (args.runs + 1) // 2)
+                 for size in args.sizes}
     if measure_socket:
         log("socket: a raw loopback TCP connection, the same chains, "
             "through the chain's buffers and through one")
-        sockets = {size: socket_chains(size, (args.runs + 1) // 2)
-                   for size in args.sizes}
+        for size in args.sizes:
+            baselines[size].update(socket_chains(size, (args.runs + 1) // 2))
     failed = []
     clients = {}
     verbs_nic = None
@@ -884,13 +940,12 @@ def orchestrate(args):
         for key in ("tensorflow", "tf_rdma"):
             run.machine.setdefault(key, out.get(key))
     for size in args.sizes:
-        memcpy[size] += measure_memcpy(size, args.runs // 2 or 1)
-        results.append(result("memcpy", "p2p", size, memcpy[size]))
+        later = copies(size, args.runs // 2 or 1)
         if measure_socket:
-            later = socket_chains(size, args.runs // 2 or 1)
-            for system, times in sockets[size].items():
-                results.append(result(system, "p2p", size,
-                                      times + later[system]))
+            later.update(socket_chains(size, args.runs // 2 or 1))
+        for system, times in baselines[size].items():
+            results.append(result(system, "p2p", size,
+                                  times + later[system]))
     order = {s: i for i, s in enumerate(SYSTEMS)}
     results.sort(key=lambda r: (OPS.index(r["op"]), r["size_bytes"],
                                 order.get(r["system"], 99)))
@@ -934,8 +989,12 @@ def orchestrate(args):
                   "chain": chain,
                   "grpc_chain_check": clients.get("shm", {}).get(
                       "grpc_chain_check", []),
-                  "memcpy": "numpy.copyto into a preallocated array, one "
-                            "thread",
+                  "memcpy": "numpy.copyto, one thread, along the chain's "
+                            "buffers: each hop into a preallocated array of "
+                            "its own per hop and copy of the plan's depth, "
+                            "as the chain's slots",
+                  "memcpy-one-buffer": "numpy.copyto from one array into "
+                                       "one other, again and again",
                   "socket": "loopback TCP between two processes, "
                             "TCP_NODELAY, 4 MiB buffers, the same chain of "
                             "hops, each recv_into a preallocated buffer of "

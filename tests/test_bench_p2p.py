@@ -200,6 +200,29 @@ def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
     assert all(": MISSED" in line for line in p2p.check_lines(slow))
 
 
+def test_the_memcpy_verdict_is_against_the_chains_buffers_not_one(p2p):
+    """The shm bandwidth line is judged against memcpy along the chain's
+    buffers; memcpy from one buffer into one other is printed after it."""
+    results = [entry("tf_rdma-shm", "p2p", 64 * MiB, 10e-3),
+               entry("memcpy", "p2p", 64 * MiB, 7e-3),
+               entry("memcpy-one-buffer", "p2p", 64 * MiB, 4e-3)]
+    (line,) = p2p.check_lines(results)
+    verdict, one_buffer = line.split("; ", 1)
+    assert "= 70% of memcpy" in verdict and verdict.endswith(": met"), line
+    assert "one buffer into one other" in one_buffer, line
+    assert "(40%)" in one_buffer, line
+
+
+def test_the_memcpy_baseline_copies_along_the_chains_buffers(p2p):
+    """measure_memcpy times real copies, along H x depth buffers or one:
+    one positive time per run, at a size timed in batches and a large
+    one (it raises if a buffer did not end up holding the source)."""
+    for size in (4 * KiB, 4 * MiB):
+        for hops, depth in ((4, 2), (1, 1)):
+            times = p2p.measure_memcpy(size, 3, hops, depth)
+            assert len(times) == 3 and all(t > 0 for t in times), times
+
+
 def test_tcp_is_checked_against_the_raw_socket_and_tabled(p2p, capsys):
     """The tcp line: socket time / tcp time against 90%; the p2p table gets
     a "tcp % socket" column (the socket has no p2p-call view)."""
@@ -444,7 +467,8 @@ def test_verbs_over_softnic_is_labelled_emulated(softnic_usable, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     doc = json.loads(out.read_text())
     systems = {r["system"] for r in doc["results"]}
-    assert systems == {"tf_rdma-verbs-emulated", "memcpy"}, systems
+    assert systems == {"tf_rdma-verbs-emulated", "memcpy",
+                       "memcpy-one-buffer"}, systems
     ops = {r["op"] for r in doc["results"]
            if r["system"] == "tf_rdma-verbs-emulated"}
     assert ops == {"p2p", "p2p-call"}
