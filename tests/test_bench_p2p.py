@@ -200,6 +200,21 @@ def test_checks_say_met_only_when_the_measurements_meet_the_targets(p2p):
     assert all(": MISSED" in line for line in p2p.check_lines(slow))
 
 
+def test_a_missed_64m_grpc_ratio_prints_the_copys_bound(p2p):
+    """Where shm misses 5x gRPC at 64 MiB, the line says how far a hop that
+    cost only its copy (memcpy through the chain's buffers) would get."""
+    results = [entry("tf_rdma-shm", "p2p", 64 * MiB, 9e-3),
+               entry("grpc", "p2p", 64 * MiB, 30e-3),
+               entry("memcpy", "p2p", 64 * MiB, 7.5e-3)]
+    line = p2p.check_lines(results)[0]
+    assert ": MISSED; a hop is at least one copy" in line, line
+    assert "at most 4.0x here" in line, line
+    fast = [dict(r, median_s=5e-3) if r["system"] == "tf_rdma-shm" else r
+            for r in results]
+    line = p2p.check_lines(fast)[0]
+    assert line.endswith(": met"), line
+
+
 def test_the_memcpy_verdict_is_against_the_chains_buffers_not_one(p2p):
     """The shm bandwidth line is judged against memcpy along the chain's
     buffers; memcpy from one buffer into one other is printed after it."""
