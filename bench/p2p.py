@@ -882,6 +882,7 @@ def emulated_lines(systems, verbs_nic):
 def orchestrate(args):
     run = Run("p2p", log)
     results = []
+
     def chain_shape(size):
         """H and the plan depth of the chain at `size`, as the client's."""
         hops, depth = hops_for(size)
