@@ -472,11 +472,53 @@ def test_spmd_tasks_are_bound_to_their_own_cpus(launches):
 def test_cpu_shares_split_the_cpus_in_order():
     from tf_rdma.launch import _cpu_list, cpu_shares
 
-    assert cpu_shares(2, [3, 0, 1, 2]) == [[0, 1], [2, 3]]
-    assert cpu_shares(3, range(8)) == [[0, 1], [2, 3, 4], [5, 6, 7]]
-    assert cpu_shares(1, [4, 6]) == [[4, 6]]
-    assert cpu_shares(3, [0, 1]) is None
+    one_thread_a_core = [[cpu] for cpu in range(16)]
+    assert cpu_shares(2, [3, 0, 1, 2], one_thread_a_core) == [[0, 1], [2, 3]]
+    assert cpu_shares(3, range(8), one_thread_a_core) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert cpu_shares(1, [4, 6], one_thread_a_core) == [[4, 6]]
+    assert cpu_shares(3, [0, 1], one_thread_a_core) is None
     assert _cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.fast
+def test_cpu_shares_give_tasks_whole_cores_where_cpus_are_smt_threads():
+    """A host that numbers a core's two threads 4 apart (cores {0,4} {1,5}
+    {2,6} {3,7}): two tasks get two whole cores each, not the first and the
+    second threads of the same four cores; three tasks whole cores in
+    near-equal runs; more tasks than cores a core's threads to neighbours.
+    Threads numbered side by side ({0,1} {2,3} ...) give the runs of the
+    sorted CPUs, and only the allowed CPUs of a core are given."""
+    from tf_rdma.launch import cpu_shares
+
+    apart = [[core, core + 4] for core in range(4)]
+    assert cpu_shares(2, range(8), apart) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert cpu_shares(3, range(8), apart) == [[0, 4], [1, 5], [2, 3, 6, 7]]
+    assert cpu_shares(8, range(8), apart) == [[0], [4], [1], [5], [2], [6], [3], [7]]
+    assert cpu_shares(6, range(8), apart) == [[0], [4], [1, 5], [2], [6], [3, 7]]
+    side_by_side = [[2 * core, 2 * core + 1] for core in range(4)]
+    assert cpu_shares(2, range(8), side_by_side) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cpu_shares(2, [0, 1, 2, 4, 5], apart) == [[0, 4], [1, 2, 5]]
+
+
+def test_cpu_shares_read_the_cores_from_the_kernel():
+    """Without `cores`, each CPU's core is what sysfs lists for it: every
+    CPU is in its own core's list, and the shares are the split of those
+    cores (on a host without SMT, the runs of the sorted CPUs)."""
+    from tf_rdma.launch import _core_of, cpu_shares
+
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = {cpu: _core_of(cpu) for cpu in cpus}
+    if any(core is None for core in cores.values()):
+        pytest.skip("this kernel does not list the CPUs' cores (topology/thread_siblings_list)")
+    assert all(cpu in core for cpu, core in cores.items()), cores
+    count = min(2, len(cpus))
+    shares = cpu_shares(count, cpus)
+    assert shares == cpu_shares(count, cpus, set(cores.values()))
+    assert sorted(cpu for share in shares for cpu in share) == cpus, shares
+    if len(set(cores.values())) >= count:  # whole cores: no core in two shares
+        owner = {core: i for i, share in enumerate(shares) for core in map(cores.get, share)}
+        assert all(owner[cores[cpu]] == i for i, share in enumerate(shares) for cpu in share)
+    assert _core_of(max(cpus) + 100000) is None
 
 
 def test_spmd_first_failure_stops_the_other_tasks(launches):

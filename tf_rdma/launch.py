@@ -90,9 +90,11 @@ copy that fails stops the others and gives the exit status.
 
 Where this machine has at least as many CPUs as tasks, each task (server or
 SPMD copy; not the client) is bound to its own share of the CPUs the launcher
-may use, as mpirun binds its ranks: TensorFlow sizes its thread pools to them,
-and tasks no longer take each other's cores (measured on 2 vCPUs: a small
-collective 25% faster, a training step 25% faster; docs/benchmarks.md).
+may use, as mpirun binds its ranks (whole cores where the CPUs are hardware
+threads and the tasks are no more than the cores): TensorFlow sizes its
+thread pools to them, and tasks no longer take each other's cores (measured
+on 2 vCPUs: a small collective 25% faster, a training step 25% faster;
+docs/benchmarks.md).
 --bind none leaves them unbound.
 """
 
@@ -289,27 +291,72 @@ COMMAND = Command(
 # --------------------------------------------------------------------------- implementation
 
 
-def cpu_shares(count, cpus=None):
+def cpu_shares(count, cpus=None, cores=None):
     """Splits CPUs into `count` disjoint shares, one per local task.
 
     What ``tf-rdma launch`` binds its tasks to (and bench/ binds tf_rdma's
-    ranks to, as mpirun binds its own): share i is the i-th of `count`
-    near-equal runs of the sorted CPUs, so that tasks next to each other in
-    the cluster sit on neighbouring CPUs.
+    ranks to, as mpirun binds its own). The split follows the cores: the
+    CPUs are grouped by the core they are hardware threads of (SMT), the
+    cores ordered by their lowest CPU. With no more tasks than cores, share
+    i is the i-th of `count` near-equal runs of the cores, whole: two tasks
+    never share a core's execution units while another core has nothing to
+    run (on a host that numbers a core's threads n apart, a split of the
+    sorted CPU numbers would give one task the first threads of some cores
+    and the next task their second threads). With more tasks than cores,
+    share i is the i-th near-equal run of the CPUs in core order, so a
+    core's threads go to neighbouring tasks. Without SMT every CPU is a core
+    and both are the i-th run of the sorted CPUs: tasks next to each other
+    in the cluster sit on neighbouring CPUs.
 
     Args:
         count: The number of tasks (>= 1).
         cpus: The CPUs to split; default the ones this process may run on.
+        cores: The CPUs of each core, an iterable of CPU collections
+            (CPUs not in `cpus` are ignored); default what the kernel says
+            (:func:`_core_of`). A CPU in none of them is a core of its own.
 
     Returns:
         A list of `count` sorted lists of CPU numbers, or None where there
         are fewer CPUs than tasks (they would share cores however bound).
     """
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    cpus = sorted(set(os.sched_getaffinity(0) if cpus is None else cpus))
     if count < 1 or count > len(cpus):
         return None
-    return [cpus[i * len(cpus) // count:(i + 1) * len(cpus) // count]
+    core_of = {}
+    if cores is None:
+        core_of = {cpu: _core_of(cpu) for cpu in cpus}
+    else:
+        for core in cores:
+            for cpu in core:
+                core_of[cpu] = frozenset(core)
+    groups = {}
+    for cpu in cpus:
+        groups.setdefault(core_of.get(cpu) or frozenset([cpu]), []).append(cpu)
+    ordered = sorted(groups.values())  # each sorted: by its lowest CPU
+    if count <= len(ordered):
+        return [sorted(cpu for core in ordered[i * len(ordered) // count:
+                                                (i + 1) * len(ordered) // count]
+                       for cpu in core)
+                for i in range(count)]
+    flat = [cpu for core in ordered for cpu in core]
+    return [sorted(flat[i * len(flat) // count:(i + 1) * len(flat) // count])
             for i in range(count)]
+
+
+def _core_of(cpu, root="/sys/devices/system/cpu"):
+    """The CPUs that share `cpu`'s core (its SMT siblings and itself), as
+    Linux lists them (``topology/thread_siblings_list``: "0,4" or "0-1");
+    None where the kernel does not say."""
+    try:
+        with open(f"{root}/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+        siblings = set()
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            siblings.update(range(int(first), int(last or first) + 1))
+    except (OSError, ValueError):
+        return None
+    return frozenset(siblings) if cpu in siblings else None
 
 
 def _cpu_list(cpus):
