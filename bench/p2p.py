@@ -744,14 +744,23 @@ def split_text(split):
     return text + ")"
 
 
-def _one_buffer_text(what, one_buffer_s, system_s):
-    """The one-buffer baseline after a 64 MiB verdict, "" when absent:
-    printed for what less memory gives, not judged."""
-    if not one_buffer_s:
-        return ""
-    return (f"; {what}, which touches less memory: "
-            f"{gbps(64 * MiB, one_buffer_s):.2f} GB/s "
-            f"({100 * one_buffer_s / system_s:.0f}%)")
+def _share_line(label, system_s, baseline, baseline_s, target, one_buffer,
+                one_buffer_s):
+    """A 64 MiB check of `system_s` against a baseline through the chain's
+    buffers (`baseline_s`): the share of its bandwidth against `target`.
+    The same baseline through one buffer (`one_buffer_s`, None where not
+    measured) follows the verdict, for what less memory gives; not judged.
+    """
+    f = baseline_s / system_s
+    line = (f"64 MiB {label}: {gbps(64 * MiB, system_s):.2f} GB/s = "
+            f"{100 * f:.0f}% of {baseline} {gbps(64 * MiB, baseline_s):.2f} "
+            f"GB/s through the chain's buffers (target >= "
+            f"{100 * target:.0f}%): {verdict(f >= target)}")
+    if one_buffer_s:
+        line += (f"; {one_buffer}, which touches less memory: "
+                 f"{gbps(64 * MiB, one_buffer_s):.2f} GB/s "
+                 f"({100 * one_buffer_s / system_s:.0f}%)")
+    return line
 
 
 def check_lines(results, marginals=(), hop_floor=(), split=None):
@@ -793,26 +802,17 @@ def check_lines(results, marginals=(), hop_floor=(), split=None):
                      f"{grpc / mem:.1f}x here")
         lines.append(line)
     if shm and mem:
-        f = mem / shm
-        line = (f"64 MiB shm bandwidth: {gbps(64 * MiB, shm):.2f} GB/s "
-                f"= {100 * f:.0f}% of memcpy "
-                f"{gbps(64 * MiB, mem):.2f} GB/s through the chain's "
-                f"buffers (target >= {100 * TARGET_64M_OF_MEMCPY:.0f}%): "
-                f"{verdict(f >= TARGET_64M_OF_MEMCPY)}")
-        lines.append(line + _one_buffer_text(
+        lines.append(_share_line(
+            "shm bandwidth", shm, "memcpy", mem, TARGET_64M_OF_MEMCPY,
             "a memcpy from one buffer into one other",
-            get("memcpy-one-buffer", 64 * MiB), shm))
+            get("memcpy-one-buffer", 64 * MiB)))
     tcp, sock = get("tf_rdma-tcp", 64 * MiB), get("socket", 64 * MiB)
     if tcp and sock:
-        f = sock / tcp
-        line = (f"64 MiB tcp: {gbps(64 * MiB, tcp):.2f} GB/s = "
-                f"{100 * f:.0f}% of a raw loopback socket's "
-                f"{gbps(64 * MiB, sock):.2f} GB/s through the chain's "
-                f"buffers (target >= {100 * TARGET_64M_TCP_OF_SOCKET:.0f}%): "
-                f"{verdict(f >= TARGET_64M_TCP_OF_SOCKET)}")
-        lines.append(line + _one_buffer_text(
+        lines.append(_share_line(
+            "tcp", tcp, "a raw loopback socket's", sock,
+            TARGET_64M_TCP_OF_SOCKET,
             "a socket receiving into one buffer a side",
-            get("socket-one-buffer", 64 * MiB), tcp))
+            get("socket-one-buffer", 64 * MiB)))
     shm, grpc = get("tf_rdma-shm", 4 * KiB), get("grpc", 4 * KiB)
     if shm and grpc:
         x = grpc / shm
