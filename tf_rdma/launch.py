@@ -322,24 +322,21 @@ def cpu_shares(count, cpus=None, cores=None):
     cpus = sorted(set(os.sched_getaffinity(0) if cpus is None else cpus))
     if count < 1 or count > len(cpus):
         return None
-    core_of = {}
     if cores is None:
         core_of = {cpu: _core_of(cpu) for cpu in cpus}
     else:
-        for core in cores:
-            for cpu in core:
-                core_of[cpu] = frozenset(core)
+        core_of = {cpu: frozenset(core) for core in cores for cpu in core}
     groups = {}
     for cpu in cpus:
         groups.setdefault(core_of.get(cpu) or frozenset([cpu]), []).append(cpu)
     ordered = sorted(groups.values())  # each sorted: by its lowest CPU
-    if count <= len(ordered):
-        return [sorted(cpu for core in ordered[i * len(ordered) // count:
-                                                (i + 1) * len(ordered) // count]
-                       for cpu in core)
-                for i in range(count)]
-    flat = [cpu for core in ordered for cpu in core]
-    return [sorted(flat[i * len(flat) // count:(i + 1) * len(flat) // count])
+    # What is handed out whole: the cores, or with more tasks than cores
+    # their CPUs one by one (in core order).
+    units = (ordered if count <= len(ordered)
+             else [[cpu] for core in ordered for cpu in core])
+    return [sorted(cpu for unit in units[i * len(units) // count:
+                                         (i + 1) * len(units) // count]
+                   for cpu in unit)
             for i in range(count)]
 
 
