@@ -51,9 +51,13 @@ from tf_rdma.graph_passes.placement import (
     DEFAULT_CALLER_DEVICE, resolve_devices, topological_order)
 from tf_rdma.graph_passes.plan import Plan, Transfer, canonical_task
 from tf_rdma.graph_passes.transfers import (
-    CONTROL, DYNAMIC, KEPT, STATIC, discover_transfers, spanning_calls)
+    CONTROL, DYNAMIC, KEPT, NO_ENDPOINT_REASON, STATIC, discover_transfers,
+    spanning_calls)
 
 CONTROL_TOKEN_DTYPE = "int8"
+# Ops that compute nothing (client_computes leaves them out).
+_PASS_THROUGH_OPS = frozenset(
+    {"Placeholder", "Const", "Identity", "IdentityN", "NoOp"})
 _NODE_NAME_BAD = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
@@ -67,7 +71,11 @@ class Analysis:
       edges: Every cross-task :class:`~tf_rdma.graph_passes.transfers.Edge`,
         sorted by key, kept and dynamic ones included.
       placements: ``{node: Placement}``.
-      caller_task: The task the function is called from.
+      caller_task: The task the function is called from: where the nodes
+        that nobody placed run.
+      client_task: The task of the program that calls the function (the
+        caller's, unless the call runs on another task, as the calls of a
+        ``ClusterCoordinator`` do on its workers).
       notes: Things the pass could not plan that are not edges of the top
         level: function calls and loops whose bodies run ops on other tasks
         (their traffic stays on TensorFlow's path, even when no edge of the
@@ -81,6 +89,7 @@ class Analysis:
     edges: tuple
     placements: dict
     caller_task: str
+    client_task: str
     notes: tuple = ()
     view: object = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -92,12 +101,32 @@ class Analysis:
         """Edges that the rewrite moves through tf_rdma."""
         return self.edges_of_kind(STATIC, DYNAMIC, CONTROL)
 
+    def client_computes(self):
+        """Ops that compute on the program's own task, sending on gRPC.
+
+        The nodes that run on the client's task (nobody placed them, or they
+        use a variable that lives there), when tensors cross between it and
+        other tasks on TensorFlow's path because it has no tf_rdma endpoint;
+        sorted. Empty when the client only passes arguments and takes
+        results, or when nothing crosses.
+        """
+        crosses = any(e.kind == KEPT and self.client_task in (e.src, e.dst)
+                      and e.reason.endswith(NO_ENDPOINT_REASON)
+                      for e in self.edges)
+        if not crosses:
+            return []
+        return sorted(
+            name for name, p in self.placements.items()
+            if p.task == self.client_task and p.inferred
+            and self.view.nodes[name].op not in _PASS_THROUGH_OPS)
+
     def to_dict(self):
         """Everything found, as a JSON-ready dict (``tf-rdma inspect --format json``)."""
         return {
             "plan": self.plan.to_dict(),
             "plan_hash": self.plan.hash,
             "caller_task": self.caller_task,
+            "client_task": self.client_task,
             "edges": [e.to_dict() for e in self.edges],
             "notes": list(self.notes),
             "placements": {n: dataclasses.asdict(p)
@@ -107,6 +136,9 @@ class Analysis:
     def summary(self):
         """A readable multi-line report: the plan, then what stays and why."""
         lines = [self.plan.summary()]
+        if self.caller_task != self.client_task:
+            lines.append(f"called on {self.caller_task} (for the program on "
+                         f"{self.client_task})")
         counts = {k: len(self.edges_of_kind(k))
                   for k in (STATIC, DYNAMIC, CONTROL, KEPT)}
         lines.append(
@@ -154,19 +186,23 @@ def plan_name(base, transfers, depth):
 
 
 def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
-            endpoint_tasks=None, depth=2, name=None):
+            endpoint_tasks=None, depth=2, name=None, client_device=None):
     """Runs device resolution, transfer discovery and layout on a GraphDef.
 
     Args:
       graph_def: The function's GraphDef, ideally exported with
         ``add_shapes=True`` (without shapes every edge is dynamic).
-      caller_device: The device the function is called on.
+      caller_device: The device the function is called on: the nodes that
+        nobody placed run there.
       arg_devices: ``{placeholder: device}`` of arguments with a known device.
       endpoint_tasks: Tasks with a tf_rdma endpoint (None: every task except
-        the caller's and those of job ``localhost``, TensorFlow's name for
+        the client's and those of job ``localhost``, TensorFlow's name for
         the client's own job).
       depth: Copies per slot in the plan.
       name: Base of the plan's name (a fingerprint of the graph is appended).
+      client_device: A device of the program that calls the function, when
+        that is not the caller's device (a ``ClusterCoordinator`` runs the
+        calls of its program on a worker); None: the caller's.
 
     Returns:
       An :class:`Analysis`.
@@ -179,20 +215,24 @@ def analyze(graph_def, caller_device=DEFAULT_CALLER_DEVICE, arg_devices=None,
             f"expected a GraphDef, got {type(graph_def).__name__}")
     with _gc_paused():
         return _analyze(graph_def, caller_device, arg_devices, endpoint_tasks,
-                        depth, name)
+                        depth, name, client_device)
 
 
 def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
-             name):
+             name, client_device):
     view = GraphView(graph_def)
     placements = resolve_devices(view, caller_device, arg_devices)
     caller_task = task_of(caller_device)
+    client_task = caller_task if client_device is None else task_of(client_device)
+    if client_task is None:
+        raise PlanError(f"client device {client_device!r} names no job; "
+                        f"expected e.g. {DEFAULT_CALLER_DEVICE!r}")
     if endpoint_tasks is not None:
         if isinstance(endpoint_tasks, str):
             endpoint_tasks = [endpoint_tasks]
         endpoint_tasks = {canonical_task(t) for t in endpoint_tasks}
     spanning = spanning_calls(view, placements)
-    edges = discover_transfers(view, placements, endpoint_tasks, caller_task,
+    edges = discover_transfers(view, placements, endpoint_tasks, client_task,
                                spanning)
     transfers = []
     for e in edges:
@@ -207,7 +247,7 @@ def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
     plan = Plan(transfers, name=plan_name(name, transfers, depth), depth=depth)
     notes = tuple(reason for _, reason in sorted(spanning.items()))
     return Analysis(graph_def, plan, tuple(edges), placements, caller_task,
-                    notes, view)
+                    client_task, notes, view)
 
 
 def _attr(value):

@@ -39,6 +39,9 @@ KINDS = (STATIC, DYNAMIC, CONTROL, KEPT)
 # TensorFlow's name for the job of a client that connected to a cluster: it
 # runs no tf_rdma endpoint unless the caller says so (endpoint_tasks).
 CLIENT_JOB_PREFIX = "/job:localhost/"
+# The reason of an edge kept because one of its tasks runs no endpoint
+# (after the task's name).
+NO_ENDPOINT_REASON = "has no tf_rdma endpoint"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,7 @@ def spanning_calls(view, placements):
     return reasons
 
 
-def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
+def discover_transfers(view, placements, endpoint_tasks=None, client_task=None,
                        spanning=None):
     """Returns every cross-task edge of ``view`` as a sorted list of :class:`Edge`.
 
@@ -137,9 +140,10 @@ def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
       placements: ``{node: Placement}`` from
         :func:`~tf_rdma.graph_passes.placement.resolve_devices`.
       endpoint_tasks: Tasks that run a tf_rdma endpoint; an edge to or from
-        any other task is kept. None means every task except ``caller_task``
+        any other task is kept. None means every task except ``client_task``
         and the tasks of job ``localhost`` (the client's).
-      caller_task: The caller's task (used when ``endpoint_tasks`` is None).
+      client_task: The task of the program that calls the function (used
+        when ``endpoint_tasks`` is None).
       spanning: ``{node: reason}`` from :func:`spanning_calls`, if already
         computed.
     """
@@ -166,7 +170,7 @@ def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
         shape = None if control else view.output_shape(producer, index)
         kind, reason = _classify(view, producer, consumers, src, dst, dtype,
                                  shape, control, spanning, endpoint_tasks,
-                                 caller_task)
+                                 client_task)
         edges.append(Edge(key, producer, index, src, dst, consumers, dtype,
                           shape, kind, reason))
     edges.sort(key=lambda e: e.key)
@@ -174,13 +178,13 @@ def discover_transfers(view, placements, endpoint_tasks=None, caller_task=None,
 
 
 def _classify(view, producer, consumers, src, dst, dtype, shape, control,
-              spanning, endpoint_tasks, caller_task):
+              spanning, endpoint_tasks, client_task):
     for task in (src, dst):
         has_endpoint = (task in endpoint_tasks if endpoint_tasks is not None
-                        else task != caller_task
+                        else task != client_task
                         and not task.startswith(CLIENT_JOB_PREFIX))
         if not has_endpoint:
-            return KEPT, f"{task} has no tf_rdma endpoint"
+            return KEPT, f"{task} {NO_ENDPOINT_REASON}"
     for node in (producer,) + tuple(c for c, _ in consumers):
         if node in spanning:
             return KEPT, f"function body spans tasks: {spanning[node]}"

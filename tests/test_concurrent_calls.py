@@ -70,7 +70,7 @@ def run(name, threads, calls, collective=False, fail_at=-1, timeout=None):
                            name=name)
     want = {k: plain(tf.constant(k)).numpy() for k in range(threads * calls)
             if k != fail_at}
-    rdma.get_concrete_function(tf.constant(0))
+    rdma.get_concrete_function(tf.constant(0)).graph  # traces this caller's plan
     if os.environ.get("UNSERIALIZED") == "1":  # to see what serializing prevents
         rdma._has_collectives = False
     assert rdma.plan.transfers, "nothing was planned"

@@ -1050,7 +1050,7 @@ def test_decorator_places_ops_of_a_variable_argument_with_the_variable():
             return var.read_value() * x
 
     rewritten = tf_rdma.rewrite(f)
-    rewritten.get_concrete_function(v, tf.TensorSpec([3], tf.float32))
+    rewritten.get_concrete_function(v, tf.TensorSpec([3], tf.float32)).graph
     a = rewritten.analyses[-1]
     (read,) = [n.name for n in a.graph_def.node if n.op == "ReadVariableOp"]
     # Where the plain tf.function reads it: with the variable, on the client.

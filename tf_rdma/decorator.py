@@ -32,16 +32,20 @@ only this process sees the order of its calls.
 import functools
 import inspect
 import threading
+import warnings
 
 import tensorflow as tf
+from tensorflow.python.eager import context, def_function
 
 from tf_rdma import measured as measured_lib
 from tf_rdma.doctor import transports
 from tf_rdma.errors import ConfigError, PlanError
 from tf_rdma.graph_passes import rewrite as passes
+from tf_rdma.graph_passes.transfers import KEPT
 from tf_rdma.ops import timeout_to_ms
 
-__all__ = ["rewrite", "RewrittenFunction"]
+__all__ = ["rewrite", "RewrittenFunction", "RewrittenConcreteFunction",
+           "ClientComputeWarning"]
 
 
 def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
@@ -78,10 +82,12 @@ def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
 class RewrittenFunction:
     """A ``tf.function`` whose cross-task tensors go through tf_rdma.
 
-    Call it like the original function. Attributes:
+    Call it like the original function, or hand it to
+    ``ClusterCoordinator.schedule``. Attributes:
 
       plan: the :class:`~tf_rdma.Plan` of the latest trace.
-      analyses: every trace's :class:`~tf_rdma.graph_passes.rewrite.Analysis`.
+      analyses: every trace's :class:`~tf_rdma.graph_passes.rewrite.Analysis`
+        (one per input signature and calling task).
     """
 
     def __init__(self, fn, depth=2, timeout=None, endpoint_tasks=None,
@@ -92,42 +98,43 @@ class RewrittenFunction:
             fn = tf.function(fn)
         self._fn = fn
         self._depth = depth
-        # Calls in flight hold at most one copy of each slot each; with no
-        # more calls than copies, a call never waits for another's copy
-        # (kernels/engine/match.cc). A bad depth is
-        # reported by the plan, with the value, at the first trace.
-        self._in_flight = threading.BoundedSemaphore(
-            depth if isinstance(depth, int) and depth >= 1 else 1)
-        # Calls of a function with collectives, one at a time; None until
-        # the first trace says whether it has any (calls wait until then).
-        self._has_collectives = None
-        self._one_call = threading.Lock()
         self._timeout_ms = timeout_to_ms(timeout)
         self._endpoint_tasks = endpoint_tasks
         python_fn = getattr(fn, "python_function", fn)
+        self._python_fn = python_fn
         self._name = name or getattr(python_fn, "__name__", "function")
         self.analyses = []
-
-        def traced(*args, **kwargs):
-            return self._trace(args, kwargs)
-
-        functools.update_wrapper(traced, python_fn)
-        traced.__signature__ = inspect.signature(python_fn)
-        self._wrapper = tf.function(
-            traced, input_signature=getattr(fn, "input_signature", None),
-            autograph=False)
+        # One traced function per (user's concrete function, calling
+        # device), made on its first call (_CallerFunction).
+        self._callers = {}
+        self._trace_lock = threading.Lock()
+        # Calls of a function with tf_rdma collectives, one at a time (set by
+        # the first trace that finds one).
+        self._has_collectives = False
+        self._one_call = threading.Lock()
+        self._warned_client_compute = False
         functools.update_wrapper(self, python_fn)
 
     def __call__(self, *args, **kwargs):
-        with self._in_flight:
-            if self._has_collectives is False:
-                return self._wrapper(*args, **kwargs)
-            with self._one_call:
-                return self._wrapper(*args, **kwargs)
+        inner = self._fn.get_concrete_function(*args, **kwargs)
+        return self._for_caller(inner, args, kwargs).call(args, kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
-        """The rewritten concrete function for these arguments (traces it)."""
-        return self._wrapper.get_concrete_function(*args, **kwargs)
+        """The rewritten function for these arguments.
+
+        The user's function is traced here, in the caller's context (a
+        strategy's scope creates its variables); the rewrite is traced for
+        each task the returned function is called on, on its first call
+        there (or when its ``graph`` is asked for, for the current device).
+        """
+        inner = self._fn.get_concrete_function(*args, **kwargs)
+        return RewrittenConcreteFunction(self, inner, args, kwargs)
+
+    def experimental_get_tracing_count(self):
+        """How many rewritten functions were traced (all calling tasks)."""
+        return len(self.analyses)
+
+    _get_tracing_count = experimental_get_tracing_count  # ClusterCoordinator's metric
 
     @property
     def python_function(self):
@@ -142,8 +149,9 @@ class RewrittenFunction:
         """
         if not self.analyses:
             raise PlanError(
-                f"{self._name!r} has no plan yet: call it (or its "
-                f"get_concrete_function) first; plans are made per trace")
+                f"{self._name!r} has no plan yet: call it first (plans are "
+                f"made per input signature and calling task; "
+                f"get_concrete_function(...).graph traces it for this one)")
         return self.analyses[-1].plan
 
     @property
@@ -188,13 +196,30 @@ class RewrittenFunction:
         print(text, file=file)
         return text
 
-    def _trace(self, args, kwargs):
-        concrete = self._fn.get_concrete_function(*args, **kwargs)
-        inner = concrete.graph
+    def _for_caller(self, inner, args, kwargs):
+        """The traced function of ``inner`` for the device calling it now.
+
+        ``args`` and ``kwargs`` are those ``inner`` was traced for; the first
+        call from a device traces the rewrite with them.
+        """
+        caller = _caller_device()
+        key = (inner, caller)
+        found = self._callers.get(key)
+        if found is None:
+            with self._trace_lock:
+                found = self._callers.get(key)
+                if found is None:
+                    found = _CallerFunction(self, inner, caller, args, kwargs)
+                    self._callers[key] = found
+        return found
+
+    def _trace(self, inner, caller_device, args, kwargs):
+        """Traces the rewrite of ``inner`` for ``caller_device`` (in a wrapper)."""
+        graph = inner.graph
         outer = tf.compat.v1.get_default_graph()
-        captured = list(concrete.captured_inputs)
-        internal = list(inner.internal_captures)
-        user_inputs = inner.inputs[:len(inner.inputs) - len(internal)]
+        captured = list(inner.captured_inputs)
+        internal = list(graph.internal_captures)
+        user_inputs = graph.inputs[:len(graph.inputs) - len(internal)]
         outer_inputs = list(outer.inputs)
         if len(outer_inputs) != len(user_inputs):
             raise PlanError(
@@ -202,8 +227,7 @@ class RewrittenFunction:
                 f"tensor inputs but its wrapper got {len(outer_inputs)}; "
                 f"arguments that are not tensors must be hashable Python "
                 f"values")
-        with tf.init_scope():
-            caller_device = tf.zeros([]).device
+        client_device = _client_device()
         # Arguments the wrapper got as real (eager) tensors — a tf.Variable
         # argument arrives as its handle — are captured like the closure's
         # captures, and both keep the device where they live.
@@ -216,38 +240,162 @@ class RewrittenFunction:
                     arg_devices[placeholder.op.name] = value.device
                 value = outer.capture(value)
             input_map[placeholder.name] = value
-        graph_def = inner.as_graph_def(add_shapes=True)
+        graph_def = graph.as_graph_def(add_shapes=True)
         collective = {"TfRdmaCollective", "TfRdmaAllGatherV"}
         if any(n.op in collective for n in graph_def.node) or any(
                 n.op in collective for f in graph_def.library.function
                 for n in f.node_def):
             self._has_collectives = True
-        elif self._has_collectives is None:
-            # A later trace of other arguments that adds collectives runs
-            # its first calls unserialized; the code of one function rarely
-            # differs so (docs/rewrite.md).
-            self._has_collectives = False
         analysis = passes.analyze(
             graph_def, caller_device=caller_device, arg_devices=arg_devices,
             endpoint_tasks=self._endpoint_tasks, depth=self._depth,
-            name=self._name)
+            name=self._name, client_device=client_device)
+        self._warn_if_client_computes(analysis)
         rewritten = passes.rewrite_graph(analysis, self._timeout_ms)
         self.analyses.append(analysis)
 
         outputs = tf.graph_util.import_graph_def(
             rewritten, input_map=input_map,
-            return_elements=[t.name for t in inner.outputs],
+            return_elements=[t.name for t in graph.outputs],
             name="rewritten")
         if analysis.planned and outputs:
             outputs = _no_gradient_across(outputs, list(input_map.values()),
                                           self._name)
-        flat = tf.nest.flatten(concrete.structured_outputs,
+        flat = tf.nest.flatten(inner.structured_outputs,
                                expand_composites=True)
         imported = iter(outputs)
         flat = [next(imported) if isinstance(x, tf.Tensor) else x
                 for x in flat]
-        return tf.nest.pack_sequence_as(concrete.structured_outputs, flat,
+        return tf.nest.pack_sequence_as(inner.structured_outputs, flat,
                                         expand_composites=True)
+
+    def _warn_if_client_computes(self, analysis):
+        """Warns (once per function) when the program's own task computes.
+
+        The client runs no tf_rdma endpoint, so every tensor between it and
+        the other tasks stays on gRPC, and a step meant for the workers
+        leaves them idle: what a function does whose ops nobody placed when
+        it is called from the program's own task, or whose ops use variables
+        that live there.
+        """
+        if self._warned_client_compute:
+            return
+        ops = analysis.client_computes()
+        if not ops:
+            return
+        self._warned_client_compute = True
+        kinds = sorted({analysis.view.nodes[n].op for n in ops})
+        kept = sum(1 for e in analysis.edges if e.kind == KEPT
+                   and analysis.client_task in (e.src, e.dst))
+        warnings.warn(
+            f"tf_rdma.rewrite: {len(ops)} op(s) of {self._name!r} "
+            f"({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''}) "
+            f"compute on {analysis.client_task}, the program's own task, "
+            f"which has no tf_rdma endpoint: {kept} tensor(s) between it and "
+            f"the other tasks stay on gRPC. Ops that nobody placed run on "
+            f"the task that calls the function (place them with tf.device, "
+            f"or schedule the function with a ClusterCoordinator, which calls "
+            f"it on a worker); ops that use a variable run where the variable "
+            f"lives. explain() lists the edges kept", ClientComputeWarning,
+            stacklevel=2)
+
+
+class ClientComputeWarning(UserWarning):
+    """A rewritten function computes on the task of the program calling it."""
+
+
+class _CallerFunction:
+    """One traced rewrite: a user's concrete function, called on one device.
+
+    Its plan names the caller's task wherever the function's unplaced ops
+    run, so a function called on two workers has a plan (and slots) per
+    worker. At most ``depth`` calls of it run at a time: further calls from
+    other threads wait here for one to finish, so that calls never wait for
+    each other's slot copies (each holds at most one copy of a slot).
+    """
+
+    def __init__(self, function, inner, caller, args, kwargs):
+        self._function = function
+
+        def traced(*a, **k):
+            return function._trace(inner, caller, a, k)
+
+        functools.update_wrapper(traced, function._python_fn)
+        traced.__signature__ = inspect.signature(function._python_fn)
+        self.concrete = tf.function(traced, autograph=False) \
+            .get_concrete_function(*args, **kwargs)
+        depth = function._depth
+        self._in_flight = threading.BoundedSemaphore(
+            depth if isinstance(depth, int) and depth >= 1 else 1)
+
+    def call(self, args, kwargs):
+        with self._in_flight:
+            if not self._function._has_collectives:
+                return self.concrete(*args, **kwargs)
+            with self._function._one_call:
+                return self.concrete(*args, **kwargs)
+
+
+class RewrittenConcreteFunction:
+    """The rewritten function for one input signature, on any calling task.
+
+    What :meth:`RewrittenFunction.get_concrete_function` returns, and what a
+    ``ClusterCoordinator`` runs: each call goes to the rewrite traced for the
+    device it is called on (``tf.device`` scope; the coordinator calls it
+    under the worker it picked), traced on the first call there.
+    """
+
+    def __init__(self, function, inner, args, kwargs):
+        self._function = function
+        self._inner = inner
+        self._args = args
+        self._kwargs = kwargs
+
+    def __call__(self, *args, **kwargs):
+        return self._caller().call(args, kwargs)
+
+    def _caller(self):
+        return self._function._for_caller(self._inner, self._args,
+                                          self._kwargs)
+
+    @property
+    def graph(self):
+        """The rewritten graph for the current device (traced if new)."""
+        return self._caller().concrete.graph
+
+    @property
+    def structured_outputs(self):
+        return self._inner.structured_outputs
+
+    @property
+    def structured_input_signature(self):
+        return self._inner.structured_input_signature
+
+    @property
+    def function_type(self):
+        return self._inner.function_type
+
+
+def _client_device():
+    """This program's own CPU, e.g. ``/job:chief/replica:0/task:0/device:CPU:0``."""
+    return context.context().host_address_space() + "/device:CPU:0"
+
+
+def _caller_device():
+    """The device a call made now runs on: the ``tf.device`` scope, else ours."""
+    scope = context.context().device_name
+    client = _client_device()
+    if not scope:
+        return client
+    return tf.DeviceSpec.from_string(client).make_merged_spec(
+        tf.DeviceSpec.from_string(scope)).to_string()
+
+
+# ClusterCoordinator.schedule takes only tf.function objects (an isinstance
+# check against TensorFlow's abstract Function class): registering the
+# rewritten function as one lets it schedule a rewritten step, which its
+# closures call through get_concrete_function as they call any tf.function.
+def_function.Function.register(RewrittenFunction)
 
 
 def _no_gradient_across(outputs, inputs, name):

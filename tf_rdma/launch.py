@@ -3,6 +3,7 @@
 ::
 
     tf-rdma launch -n 2 [--ps 1] [--host 127.0.0.1] [--timeout-start 60] -- python train.py
+    tf-rdma launch -n 2 --ps 2 --coordinator -- python train_with_ps_strategy.py
     tf-rdma launch --spmd -n 2 -- python train.py
 
 With ``--spmd`` (for ``tf_rdma.distribute.RdmaStrategy`` and other SPMD
@@ -19,7 +20,11 @@ its own ``TF_CONFIG``, waits until every one of them is serving, and then runs
 the command with ``TF_CONFIG`` set to the cluster alone (no ``"task"``: the
 command is the client) and ``TF_RDMA_SECRET`` set to the job secret. The
 servers' logs appear on the launcher's stderr, each line prefixed with its task
-(``[worker:0] ...``).
+(``[worker:0] ...``). With ``--coordinator`` the command is a
+``ParameterServerStrategy`` coordinator instead: the cluster gets a ``chief``
+task for it (TensorFlow's job name for the coordinator, which starts its own
+server there), and its ``TF_CONFIG`` names that task, so that
+``TFConfigClusterResolver()`` finds the whole cluster.
 
 When the command exits, or the launcher gets SIGINT or SIGTERM, everything is
 torn down: SIGTERM to the command and to every server, SIGKILL to whatever is
@@ -69,8 +74,8 @@ _TAIL_LINES = 20
 _PREFIX = "tf-rdma launch: "
 _SHM_DIR = "/dev/shm"
 
-_USAGE = ("%(prog)s [-h] -n N [--ps M | --spmd] [--host HOST] [--timeout-start S] "
-          "[--bind {auto,none}] -- CMD [ARGS...]")
+_USAGE = ("%(prog)s [-h] -n N [--ps M [--coordinator] | --spmd] [--host HOST] "
+          "[--timeout-start S] [--bind {auto,none}] -- CMD [ARGS...]")
 
 _DESCRIPTION = """\
 Start a cluster of local tf_rdma servers and run a command against it.
@@ -82,6 +87,11 @@ client, so there is no "task") and TF_RDMA_SECRET set. Server logs go to stderr,
 prefixed with their task ("[worker:0] ..."). When CMD exits, or on Ctrl-C or
 SIGTERM, the command and the servers are stopped (SIGTERM, then SIGKILL after
 10 s) and shared memory they leaked in /dev/shm is removed.
+
+With --coordinator, CMD is the coordinator of TensorFlow's
+ParameterServerStrategy: the cluster also has a task "chief" for it (CMD's
+own TensorFlow server), and CMD's TF_CONFIG names that task, as
+TFConfigClusterResolver expects.
 
 With --spmd, runs CMD itself once per worker task instead (no servers): each
 copy gets TF_CONFIG with its own "task", as tf_rdma.distribute.RdmaStrategy
@@ -113,6 +123,7 @@ exit status:
 
 examples:
   tf-rdma launch -n 2 -- python -c "import os; print(os.environ['TF_CONFIG'])"
+  tf-rdma launch -n 2 --ps 2 --coordinator -- python examples/ps_strategy.py
   tf-rdma launch --spmd -n 2 -- python train_with_rdma_strategy.py
 """
 
@@ -169,6 +180,12 @@ def add_arguments(parser):
         type=_non_negative_int,
         default=0,
         help='number of parameter-server tasks (job "ps"); default 0',
+    )
+    parser.add_argument(
+        "--coordinator",
+        action="store_true",
+        help='CMD is a ParameterServerStrategy coordinator: the cluster gets a '
+        'task "chief" for it and its TF_CONFIG names it; needs --ps',
     )
     parser.add_argument(
         "--spmd",
@@ -258,6 +275,13 @@ def run(args, parser=None):
     if spmd and args.num_ps:
         parser.error(f"--spmd runs one copy of the command per worker; --ps {args.num_ps} "
                      "has no place in it (drop --ps, or drop --spmd for a client-driven run)")
+    coordinator = getattr(args, "coordinator", False)
+    if coordinator and spmd:
+        parser.error("--coordinator runs one coordinator against servers; --spmd runs the "
+                     "command once per worker without servers: choose one")
+    if coordinator and not args.num_ps:
+        parser.error("--coordinator runs the command as a ParameterServerStrategy "
+                     "coordinator, which needs parameter servers: add --ps M (M >= 1)")
     try:
         launcher = _Launcher(
             num_workers=args.num_workers,
@@ -267,6 +291,7 @@ def run(args, parser=None):
             command=command,
             spmd=spmd,
             bind=getattr(args, "bind", "auto"),
+            coordinator=coordinator,
         )
     except ConfigError as err:
         parser.error(str(err))
@@ -598,7 +623,7 @@ class _Server:
 
 class _Launcher:
     def __init__(self, num_workers, num_ps, host, timeout_start, command, spmd=False,
-                 bind="auto"):
+                 bind="auto", coordinator=False):
         self.command = command
         self.spmd = spmd
         self.bind = bind
@@ -617,14 +642,22 @@ class _Launcher:
         if not host:
             raise ConfigError("--host is empty")
         bare_host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        ports = _cluster.free_ports(num_workers + num_ps, offset, host=bare_host)
+        ports = _cluster.free_ports(num_workers + num_ps + int(coordinator), offset,
+                                    host=bare_host)
         addresses = [_cluster.join_address(bare_host, port) for port in ports]
         self.cluster = {"worker": addresses[:num_workers]}
         if num_ps:
-            self.cluster["ps"] = addresses[num_workers:]
+            self.cluster["ps"] = addresses[num_workers:num_workers + num_ps]
+        # The command's own task, when it is a coordinator; it runs no tf_rdma server.
+        self.command_task = None
+        if coordinator:
+            self.cluster["chief"] = addresses[num_workers + num_ps:]
+            self.command_task = {"type": "chief", "index": 0}
         # Check the whole address plan (offset, TF_RDMA_ENDPOINTS) before starting anything.
         self.endpoints = _cluster.endpoints(self.cluster, env)
         for job, tasks in self.cluster.items():
+            if job == "chief":
+                continue
             for index, address in enumerate(tasks):
                 self.servers.append(_Server(job, index, address, stdout_to_stdout=spmd))
 
@@ -713,7 +746,10 @@ class _Launcher:
             return status
 
         env = dict(base_env)
-        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster})
+        config = {"cluster": self.cluster}
+        if self.command_task:
+            config["task"] = self.command_task
+        env["TF_CONFIG"] = json.dumps(config)
         # The command's stderr passes through the launcher where TensorFlow's
         # start-up notices are to be dropped (its stdout stays its own).
         quiet = _quiet_tensorflow(env)
