@@ -68,9 +68,18 @@ system-packages:
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
+# tf_keras (Keras 2) for the parameter-server tests and examples (Keras 3 has
+# no ParameterServerStrategy fit, and places optimizer slots on the
+# coordinator): the release of the installed TensorFlow's minor version,
+# without its dependencies, which would pull `tensorflow` over
+# `tensorflow-cpu`.
+TF_MINOR = import importlib.metadata as m; \
+  print(next("%s.%s.0" % tuple(d.version.split(".")[:2]) for d in m.distributions() \
+             if (d.metadata["Name"] or "").lower().replace("_", "-") in ("tensorflow", "tensorflow-cpu")))
 $(DEPS_STAMP): $(VPY) requirements-dev.txt Makefile
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TF_PACKAGE)" -r requirements-dev.txt
+	$(VPY) -m pip install -q --no-deps "tf_keras~=$$($(VPY) -c '$(TF_MINOR)')"
 	touch $@
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)

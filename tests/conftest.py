@@ -197,6 +197,145 @@ def shm_segments(pids=None):
     return names
 
 
+
+def die_with_parent():
+    """preexec_fn: SIGTERM this child when the test process dies (even by
+    SIGKILL), so that no server outlives a killed pytest; a server handles
+    SIGTERM as a clean shutdown that removes its /dev/shm segments."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:  # Not glibc: no safety net, the fixtures still stop them.
+        pass
+
+
+class LiveCluster:
+    """Servers of a cluster {job: n} (python -m tf_rdma.server), logs in files.
+
+    stdout/stderr go to files (a pipe nobody reads could fill and stall a
+    server); ``logs()`` reads the stderr files at any time.
+    """
+
+    def __init__(self, jobs, log_dir, env=None, op_timeout=30,
+                 coordinator=False):
+        self.jobs = dict(jobs)
+        ports = iter(cluster_lib.free_ports(sum(self.jobs.values())
+                                            + int(coordinator)))
+        self.cluster = {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+                        for job, n in self.jobs.items()}
+        # A ParameterServerStrategy coordinator's own task: the client
+        # (run_client) is chief:0 and starts its TensorFlow server there.
+        self.client_task = None
+        if coordinator:
+            self.cluster["chief"] = [f"127.0.0.1:{next(ports)}"]
+            self.client_task = {"type": "chief", "index": 0}
+        self.log_dir = log_dir
+        self.env = base_env({"TF_RDMA_TIMEOUT": str(op_timeout),
+                             **(env or {})})
+        self.procs = {}
+        self.stopped = None
+
+    @property
+    def tasks(self):
+        return [f"/job:{job}/task:{i}" for job, n in self.jobs.items()
+                for i in range(n)]
+
+    def start(self, timeout=120):
+        for job, n in self.jobs.items():
+            for i in range(n):
+                e = dict(self.env)
+                e["TF_CONFIG"] = json.dumps(
+                    {"cluster": self.cluster, "task": {"type": job, "index": i}})
+                name = f"{job}{i}"
+                out = open(os.path.join(self.log_dir, name + ".out"), "w")
+                err = open(os.path.join(self.log_dir, name + ".err"), "w")
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "tf_rdma.server"], env=e,
+                    stdout=out, stderr=err, start_new_session=True,
+                    preexec_fn=die_with_parent)
+                out.close()
+                err.close()
+        deadline = time.monotonic() + timeout
+        waiting = set(self.procs)
+        while waiting:
+            for name in sorted(waiting):
+                with open(os.path.join(self.log_dir, name + ".out")) as f:
+                    if "tf_rdma server ready" in f.read():
+                        waiting.discard(name)
+                        continue
+                if self.procs[name].poll() is not None:
+                    self.stop()
+                    pytest.fail(f"server {name} exited with "
+                                f"{self.procs[name].returncode}:\n"
+                                + self.logs()[-3000:])
+            if waiting and time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"servers {sorted(waiting)} not ready within "
+                            f"{timeout} s:\n" + self.logs()[-3000:])
+            time.sleep(0.1)
+
+    def logs(self):
+        text = []
+        for name in sorted(self.procs):
+            with open(os.path.join(self.log_dir, name + ".err")) as f:
+                text.append(f"--- {name}\n" + f.read())
+        return "\n".join(text)
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs.values()]
+
+    def stop(self, timeout=20):
+        """SIGTERM, then SIGKILL after ``timeout``; returns {name: exit code}."""
+        if self.stopped is not None:
+            return self.stopped
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+                codes[name] = "killed"
+        self.stopped = codes
+        return codes
+
+    def run_client(self, program, env=None, timeout=240, argv=None):
+        """Runs a client program connected to the cluster; returns RESULTs.
+
+        ``program`` is Python source, or None to run ``argv`` (a script
+        and its arguments) instead.
+        """
+        e = dict(self.env)
+        config = {"cluster": self.cluster}
+        if self.client_task:
+            config["task"] = self.client_task
+        e["TF_CONFIG"] = json.dumps(config)
+        e.update(env or {})
+        command = ["-c", program] if program is not None else list(argv)
+        try:
+            proc = subprocess.run([sys.executable, *command], env=e,
+                                  capture_output=True, text=True,
+                                  timeout=timeout, start_new_session=True,
+                                  preexec_fn=die_with_parent)
+        except subprocess.TimeoutExpired as ex:
+            pytest.fail(f"client did not finish within {timeout} s\nstdout:\n"
+                        f"{(ex.stdout or b'')[-3000:]}\nstderr:\n"
+                        f"{(ex.stderr or b'')[-3000:]}\nservers:\n"
+                        + self.logs()[-3000:])
+        results = [json.loads(line[len("RESULT "):])
+                   for line in proc.stdout.splitlines()
+                   if line.startswith("RESULT ")]
+        return proc, results
+
+
 # ---------------------------------------------------------------------------
 # The verbs transport's tests need an RDMA device with an active port that the
 # engine can use. Where there is none they skip with the reason, unless

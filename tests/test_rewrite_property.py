@@ -26,7 +26,8 @@ import threading
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from test_rewrite import LiveCluster, OP_TIMEOUT_S, die_with_parent
+from conftest import LiveCluster, die_with_parent
+from test_rewrite import OP_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(480)
 

@@ -54,8 +54,14 @@ def _add(into, counters):
         into[name] += counters[name]
 
 
-def stats():
-    """Returns this process's transfer counters since it started.
+def stats(task=None):
+    """Returns a process's transfer counters since it started.
+
+    Args:
+        task: The task whose counters to read (``"/job:worker/task:0"``),
+            through TensorFlow from a program connected to the cluster (a
+            ParameterServerStrategy coordinator, a client of
+            ``experimental_connect_to_cluster``); None: this process.
 
     A wait counts when the op could not go on at once; its time runs from
     then until the op went on (or failed). Waits of concurrent ops overlap,
@@ -107,7 +113,11 @@ def stats():
     Raises:
         LibraryError: The op library is missing or does not load.
     """
-    raw = _loader.read_json("tfrdma_stats")
+    if task is None:
+        raw = _loader.read_json("tfrdma_stats")
+    else:
+        from tf_rdma import measured  # pylint: disable=import-outside-toplevel
+        raw = measured.task_report("stats", task)
     now = time.monotonic()
     peers, transports, total = {}, {}, _zero()
     for entry in raw["peers"]:
