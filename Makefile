@@ -15,7 +15,7 @@ SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h'
 all: install
 
 help:
-	@echo "make demo     set up, train the PS example (gRPC vs @tf_rdma.rewrite), then Keras on 2 workers (RdmaStrategy vs MWMS)"
+	@echo "make demo     set up, train the PS examples (gRPC vs @tf_rdma.rewrite; ParameterServerStrategy too), then Keras on 2 workers (RdmaStrategy vs MWMS)"
 	@echo "make test     set up and run the test suite"
 	@echo "make test-fast  only the in-process tests (passes, plan, settings, cost model; < 2 min)"
 	@echo "make bench    run bench/p2p.py, allreduce.py and train.py (installs Open MPI + mpi4py) into bench/results/"
@@ -120,10 +120,12 @@ $(SOFTNIC_CHECK): tests/conformance/verbs_check.c Makefile
 	else echo "verbs_check: <infiniband/verbs.h> is missing (libibverbs-dev): not built"; fi
 
 # The parameter-server example, trained through gRPC and through
-# @tf_rdma.rewrite side by side: same losses, step times, speedup, plan; then
+# @tf_rdma.rewrite side by side: same losses, step times, speedup, plan; the
+# same with TensorFlow's ParameterServerStrategy and ClusterCoordinator; then
 # Keras fit on 2 workers with RdmaStrategy against MultiWorkerMirroredStrategy.
 demo: install
 	$(VENV)/bin/tf-rdma launch -n 1 --ps 1 -- $(VPY) examples/ps_training.py
+	$(VENV)/bin/tf-rdma launch -n 2 --ps 2 --coordinator -- $(VPY) examples/ps_strategy.py
 	$(VPY) examples/keras_digits.py --workers 2
 
 test: install

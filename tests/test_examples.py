@@ -1,7 +1,8 @@
 """The training examples, end to end, under the real launcher.
 
-``examples/ps_training.py`` (1 worker, 1 ps) and ``examples/model_parallel.py``
-(2 workers) run in their ``--quick`` mode, each under
+``examples/ps_training.py`` (1 worker, 1 ps), ``examples/ps_strategy.py``
+(2 workers, 1 ps, the command as ParameterServerStrategy's coordinator) and
+``examples/model_parallel.py`` (2 workers) run in their ``--quick`` mode, each under
 ``python -m tf_rdma.cli launch``: real servers, a real client, the real
 ``@tf_rdma.rewrite``. Each trains the same model twice from the same weights,
 through gRPC and through tf_rdma, and these tests check what it prints and
@@ -9,7 +10,7 @@ writes (``--json``): the losses bit-identical at every step, the loss going
 down, the test accuracy reached, and the plan the rewrite made (which
 tensors it moved and how many bytes per step).
 
-Both launches start at once, in a module fixture, so that their TensorFlow
+The launches start at once, in a module fixture, so that their TensorFlow
 imports overlap instead of adding up. Every launch runs in its own process
 group under a hard deadline and is killed at the end of the module whatever
 happened. The examples need scikit-learn (its bundled digits data set); the
@@ -41,6 +42,7 @@ EXAMPLES = {
     # name: (launch arguments, script, extra example arguments)
     "ps": (["-n", "1", "--ps", "1"], "examples/ps_training.py", []),
     "mp": (["-n", "2"], "examples/model_parallel.py", []),
+    "pss": (["-n", "2", "--ps", "1", "--coordinator"], "examples/ps_strategy.py", []),
 }
 
 
@@ -202,8 +204,21 @@ def test_model_parallel(runs):
     assert kept and all("/job:localhost/task:0" in l for l in kept), kept
 
 
+def test_ps_strategy(runs):
+    """The launcher's --coordinator: TF_CONFIG names chief:0 in a cluster
+    with a chief; the example's plain and rewritten steps agree."""
+    run = runs["pss"]
+    doc = _finished(run)
+    assert doc["ok"] and doc["losses_identical"], run.describe()
+    assert doc["workers_traced"], run.describe()
+    assert set(doc["workers_traced"]) <= {"/job:worker/task:0", "/job:worker/task:1"}
+    assert all(doc["bytes_sent"][w] > 0 for w in doc["workers_traced"]), doc
+    assert "bit-identical at all" in run.stdout
+
+
 @pytest.mark.parametrize("script", ["examples/ps_training.py",
-                                    "examples/model_parallel.py"])
+                                    "examples/model_parallel.py",
+                                    "examples/ps_strategy.py"])
 def test_without_cluster_says_how_to_run(script):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     proc = subprocess.run([PY, script, "--quick"], cwd=REPO, env=env,

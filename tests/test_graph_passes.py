@@ -1055,3 +1055,60 @@ def test_decorator_places_ops_of_a_variable_argument_with_the_variable():
     (read,) = [n.name for n in a.graph_def.node if n.op == "ReadVariableOp"]
     # Where the plain tf.function reads it: with the variable, on the client.
     assert a.placements[read].task == CLIENT, a.placements[read]
+
+
+# --- A plan per calling device (ParameterServerStrategy's coordinator). ------
+
+
+def _ps_step(x):
+    with tf.device(PS):
+        y = x * 2.0
+    return y + 1.0  # Nobody placed it: it runs where the function is called.
+
+
+def test_client_device_has_no_endpoint_the_caller_has():
+    _, gd = trace(tf.function(_ps_step), tf.TensorSpec([3], tf.float32))
+    on_worker = rw.analyze(gd, caller_device=W0 + "/device:CPU:0",
+                           client_device=CLIENT + "/device:CPU:0")
+    assert (on_worker.caller_task, on_worker.client_task) == (W0, CLIENT)
+    assert {(e.src, e.dst) for e in on_worker.planned} == {(W0, PS), (PS, W0)}
+    assert not on_worker.edges_of_kind(KEPT)
+    assert "called on /job:worker/task:0 (for the program on " in on_worker.summary()
+    # Without a client device the caller is the program: its edges stay.
+    alone = rw.analyze(gd, caller_device=W0 + "/device:CPU:0")
+    assert alone.client_task == W0 and not alone.planned
+    with pytest.raises(PlanError, match="names no job"):
+        rw.analyze(gd, client_device="/device:CPU:0")
+
+
+def test_decorator_traces_a_plan_per_calling_device():
+    from tensorflow.python.eager import def_function
+    rewritten = tf_rdma.rewrite(_ps_step, name="per_caller")
+    # ClusterCoordinator.schedule takes only tf.function objects.
+    assert isinstance(rewritten, def_function.Function)
+    concrete = rewritten.get_concrete_function(tf.TensorSpec([3], tf.float32))
+    assert rewritten.analyses == []  # traced per device, on first use
+    assert concrete.structured_outputs.shape == [3]
+    for worker in (W0, W1, W0):
+        with tf.device(worker):
+            assert concrete.graph is not None
+    assert [a.caller_task for a in rewritten.analyses] == [W0, W1]
+    assert {a.client_task for a in rewritten.analyses} == {CLIENT}
+    first, second = rewritten.plans
+    assert first.name != second.name and first.tasks != second.tasks
+    assert {t.src for t in first.transfers} == {W0, PS}
+    assert {t.src for t in second.transfers} == {W1, PS}
+
+
+def test_decorator_warns_when_the_program_computes_and_sends_on_grpc():
+    rewritten = tf_rdma.rewrite(_ps_step, name="on_client")
+    with pytest.warns(tf_rdma.decorator.ClientComputeWarning,
+                      match=r"AddV2.*compute on /job:localhost/task:0"):
+        rewritten.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+    assert rewritten.analyses[-1].client_computes() == ["add"]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # called on a worker: nothing to say
+        with tf.device(W0):
+            tf_rdma.rewrite(_ps_step).get_concrete_function(
+                tf.TensorSpec([3], tf.float32)).graph

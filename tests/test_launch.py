@@ -544,6 +544,8 @@ def test_spmd_first_failure_stops_the_other_tasks(launches):
         (["-n", "1", "--timeout-start", "0", "--", "true"], "positive"),
         (["-n", "1", "--server-module", "x", "--", "true"], "unrecognized arguments"),
         (["-n", "2", "--ps", "1", "--spmd", "--", "true"], "--spmd runs one copy"),
+        (["-n", "1", "--coordinator", "--", "true"], "add --ps M"),
+        (["-n", "1", "--spmd", "--coordinator", "--", "true"], "choose one"),
     ],
 )
 def test_bad_arguments_exit_2(args, message, capsys):

@@ -13,6 +13,7 @@ Main entry points:
     tf_rdma.Plan, Transfer  the static memory plan of cross-task tensors
     tf_rdma.ops.send/recv   the zero-copy transfer ops
     tf_rdma.rewrite         decorator: a multi-task tf.function's tensors via tf_rdma
+                            (ParameterServerStrategy steps too: docs/parameter-server.md)
     tf_rdma.collectives     allreduce/broadcast/reduce/allgather (lp, ring, tree, rhd, oneshot)
     tf_rdma.distribute      RdmaStrategy: data-parallel Keras fit and custom loops
     tf_rdma.stats           the transfer counters: bytes, transfers, waits per peer
@@ -33,6 +34,7 @@ _LAZY = {
     "Plan": "tf_rdma.graph_passes.plan",
     "Transfer": "tf_rdma.graph_passes.plan",
     "RewrittenFunction": "tf_rdma.decorator",
+    "ClientComputeWarning": "tf_rdma.decorator",
     "rewrite": "tf_rdma.decorator",
     "Endpoint": "tf_rdma.server",
     "Server": "tf_rdma.server",

@@ -1,14 +1,19 @@
 """``@tf_rdma.rewrite``: run a multi-task tf.function with tf_rdma transfers.
 
-The decorator wraps a ``tf.function`` in another ``tf.function`` with the same
-Python signature. When TensorFlow traces the wrapper (once per input
-signature, by tf.function's own rules), the wrapper
+The decorator traces the user's ``tf.function`` as TensorFlow would (once
+per input signature, in the caller's context), and its rewrite once per
+input signature and *calling device*: the ``tf.device`` scope of the call,
+else this program's CPU. The ops nobody placed run on that device, so a
+function called on two tasks needs two plans; a ``ClusterCoordinator``
+traces a step once and calls it under whichever worker it picked
+(docs/parameter-server.md). Tracing a rewrite, a wrapper ``tf.function``
+with the user function's signature
 
-1. traces the user's function for the same arguments and exports its graph
-   with the shapes TensorFlow inferred;
-2. runs the graph passes (tf_rdma.graph_passes.rewrite): every node gets a
-   task, every cross-task edge is classified, the rewritable ones get slots
-   in a :class:`~tf_rdma.Plan` and are swapped for TfRdmaSend/TfRdmaRecv;
+1. exports the user function's graph with the shapes TensorFlow inferred;
+2. runs the graph passes (tf_rdma.graph_passes.rewrite) with the calling
+   device as the caller: every node gets a task, every cross-task edge is
+   classified, the rewritable ones get slots in a :class:`~tf_rdma.Plan` and
+   are swapped for TfRdmaSend/TfRdmaRecv;
 3. imports the rewritten graph into its own trace, feeding the user
    function's argument placeholders with its own arguments and the captured
    placeholders with the captured values (variable handles, constants), and
@@ -22,8 +27,8 @@ refused with both hashes in the error).
 
 Calls may come from several threads at once: every transfer carries the id
 TensorFlow gives the call (its step id), so a call only ever receives its own
-tensors, and at most ``depth`` calls of one function run at a time (more
-wait here), so that calls never wait for each other's slot copies. A
+tensors, and at most ``depth`` calls of one plan run at a time (more wait
+here), so that calls never wait for each other's slot copies. A
 function with tf_rdma collectives in it runs one call at a time: a
 collective's ranks must run the calls of one instance in the same order, and
 only this process sees the order of its calls.
@@ -58,15 +63,17 @@ def rewrite(fn=None, *, depth=2, timeout=None, endpoint_tasks=None,
 
     Args:
       fn: The function to rewrite.
-      depth: Copies per slot, 1 to 64: how many calls of the function may
-        run at once (further calls from other threads wait for one to end).
+      depth: Copies per slot, 1 to 64: how many calls of the function on
+        one device may run at once (further calls from other threads wait
+        for one to end).
       timeout: Seconds any tf_rdma op may wait before failing with
         ``tf.errors.DeadlineExceededError``; None uses ``TF_RDMA_TIMEOUT`` on
         each task.
       endpoint_tasks: Task names that run a tf_rdma endpoint (e.g.
         ``["worker:0", "ps:0"]``); edges to other tasks stay on gRPC. None
-        means every task except the one the function is called from and
-        those of job ``localhost`` (the client's).
+        means every task except this program's own (the client's, which
+        may differ from the device a call runs on) and those of job
+        ``localhost``.
       name: Base of the plan name (default: the function's name).
 
     Returns:
