@@ -1112,3 +1112,13 @@ def test_decorator_warns_when_the_program_computes_and_sends_on_grpc():
         with tf.device(W0):
             tf_rdma.rewrite(_ps_step).get_concrete_function(
                 tf.TensorSpec([3], tf.float32)).graph
+
+
+def test_decorator_follows_relaxed_and_declared_signatures():
+    relaxed = tf_rdma.rewrite(tf.function(lambda x: x * 2.0, reduce_retracing=True))
+    declared = tf_rdma.rewrite(tf.function(
+        lambda x: x * 2.0, input_signature=[tf.TensorSpec([None], tf.float32)]))
+    concrete = relaxed.get_concrete_function(tf.TensorSpec([None], tf.float32))
+    for n in (2, 3, 4, 5):
+        for fn in (relaxed, declared, concrete):
+            assert fn(tf.ones([n])).numpy().tolist() == [2.0] * n

@@ -111,8 +111,10 @@ class RewrittenFunction:
         self._python_fn = python_fn
         self._name = name or getattr(python_fn, "__name__", "function")
         self.analyses = []
-        # One traced function per (user's concrete function, calling
-        # device), made on its first call (_CallerFunction).
+        # The rewrite per calling device (_CallerFunction), made on the
+        # first call there: for calls, keyed by the device; for the
+        # concrete functions get_concrete_function returned, by (the user's
+        # concrete function, the device).
         self._callers = {}
         self._trace_lock = threading.Lock()
         # Calls of a function with tf_rdma collectives, one at a time (set by
@@ -123,8 +125,7 @@ class RewrittenFunction:
         functools.update_wrapper(self, python_fn)
 
     def __call__(self, *args, **kwargs):
-        inner = self._fn.get_concrete_function(*args, **kwargs)
-        return self._for_caller(inner, args, kwargs).call(args, kwargs)
+        return self._for_caller(None).call(args, kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten function for these arguments.
@@ -203,24 +204,20 @@ class RewrittenFunction:
         print(text, file=file)
         return text
 
-    def _for_caller(self, inner, args, kwargs):
-        """The traced function of ``inner`` for the device calling it now.
-
-        ``args`` and ``kwargs`` are those ``inner`` was traced for; the first
-        call from a device traces the rewrite with them.
-        """
+    def _for_caller(self, inner):
+        """The rewrite for the device calling now (of ``inner``, if given)."""
         caller = _caller_device()
-        key = (inner, caller)
+        key = caller if inner is None else (inner, caller)
         found = self._callers.get(key)
         if found is None:
             with self._trace_lock:
                 found = self._callers.get(key)
                 if found is None:
-                    found = _CallerFunction(self, inner, caller, args, kwargs)
+                    found = _CallerFunction(self, caller, inner)
                     self._callers[key] = found
         return found
 
-    def _trace(self, inner, caller_device, args, kwargs):
+    def _trace(self, inner, caller_device):
         """Traces the rewrite of ``inner`` for ``caller_device`` (in a wrapper)."""
         graph = inner.graph
         outer = tf.compat.v1.get_default_graph()
@@ -312,25 +309,33 @@ class ClientComputeWarning(UserWarning):
 
 
 class _CallerFunction:
-    """One traced rewrite: a user's concrete function, called on one device.
+    """The rewrite of a function for one calling device.
 
-    Its plan names the caller's task wherever the function's unplaced ops
-    run, so a function called on two workers has a plan (and slots) per
-    worker. At most ``depth`` calls of it run at a time: further calls from
-    other threads wait here for one to finish, so that calls never wait for
-    each other's slot copies (each holds at most one copy of a slot).
+    A ``tf.function`` with the user function's signature, traced (per input
+    signature) with that device as the caller, so that its plans name the
+    caller's task wherever the function's unplaced ops run: a function
+    called on two workers has a plan (and slots) per worker. It traces the
+    user's function for its arguments, or uses ``inner``, the user's
+    concrete function that get_concrete_function traced in the caller's
+    context. At most ``depth`` calls of it run at a time: further calls
+    from other threads wait here for one to finish, so that calls never
+    wait for each other's slot copies (each holds at most one copy of a
+    slot).
     """
 
-    def __init__(self, function, inner, caller, args, kwargs):
+    def __init__(self, function, caller, inner=None):
         self._function = function
 
-        def traced(*a, **k):
-            return function._trace(inner, caller, a, k)
+        def traced(*args, **kwargs):
+            concrete = (inner if inner is not None
+                        else function._fn.get_concrete_function(*args, **kwargs))
+            return function._trace(concrete, caller)
 
         functools.update_wrapper(traced, function._python_fn)
         traced.__signature__ = inspect.signature(function._python_fn)
-        self.concrete = tf.function(traced, autograph=False) \
-            .get_concrete_function(*args, **kwargs)
+        self.wrapper = tf.function(
+            traced, autograph=False,
+            input_signature=getattr(function._fn, "input_signature", None))
         depth = function._depth
         self._in_flight = threading.BoundedSemaphore(
             depth if isinstance(depth, int) and depth >= 1 else 1)
@@ -338,9 +343,9 @@ class _CallerFunction:
     def call(self, args, kwargs):
         with self._in_flight:
             if not self._function._has_collectives:
-                return self.concrete(*args, **kwargs)
+                return self.wrapper(*args, **kwargs)
             with self._function._one_call:
-                return self.concrete(*args, **kwargs)
+                return self.wrapper(*args, **kwargs)
 
 
 class RewrittenConcreteFunction:
@@ -359,16 +364,13 @@ class RewrittenConcreteFunction:
         self._kwargs = kwargs
 
     def __call__(self, *args, **kwargs):
-        return self._caller().call(args, kwargs)
-
-    def _caller(self):
-        return self._function._for_caller(self._inner, self._args,
-                                          self._kwargs)
+        return self._function._for_caller(self._inner).call(args, kwargs)
 
     @property
     def graph(self):
         """The rewritten graph for the current device (traced if new)."""
-        return self._caller().concrete.graph
+        return self._function._for_caller(self._inner).wrapper \
+            .get_concrete_function(*self._args, **self._kwargs).graph
 
     @property
     def structured_outputs(self):
