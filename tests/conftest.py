@@ -213,7 +213,11 @@ class LiveCluster:
     """Servers of a cluster {job: n} (python -m tf_rdma.server), logs in files.
 
     stdout/stderr go to files (a pipe nobody reads could fill and stall a
-    server); ``logs()`` reads the stderr files at any time.
+    server); ``logs()`` reads the stderr files at any time. Every tf_rdma op
+    waits at most ``op_timeout`` seconds. With ``coordinator``, the cluster
+    also has a task chief:0 for the client (a ParameterServerStrategy
+    coordinator, which starts its own server there), and ``run_client``'s
+    TF_CONFIG names it.
     """
 
     def __init__(self, jobs, log_dir, env=None, op_timeout=30,

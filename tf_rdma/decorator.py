@@ -111,10 +111,8 @@ class RewrittenFunction:
         self._python_fn = python_fn
         self._name = name or getattr(python_fn, "__name__", "function")
         self.analyses = []
-        # The rewrite per calling device (_CallerFunction), made on the
-        # first call there: for calls, keyed by the device; for the
-        # concrete functions get_concrete_function returned, by (the user's
-        # concrete function, the device).
+        # The rewrite of each of the user's concrete functions per calling
+        # device (_CallerFunction), made on the first call there.
         self._callers = {}
         self._trace_lock = threading.Lock()
         # Calls of a function with tf_rdma collectives, one at a time (set by
@@ -125,7 +123,8 @@ class RewrittenFunction:
         functools.update_wrapper(self, python_fn)
 
     def __call__(self, *args, **kwargs):
-        return self._for_caller(None).call(args, kwargs)
+        inner = self._fn.get_concrete_function(*args, **kwargs)
+        return self._for_caller(inner).call(args, kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten function for these arguments.
@@ -205,9 +204,9 @@ class RewrittenFunction:
         return text
 
     def _for_caller(self, inner):
-        """The rewrite for the device calling now (of ``inner``, if given)."""
+        """The rewrite of ``inner`` for the device calling now."""
         caller = _caller_device()
-        key = caller if inner is None else (inner, caller)
+        key = (inner, caller)
         found = self._callers.get(key)
         if found is None:
             with self._trace_lock:
@@ -309,33 +308,34 @@ class ClientComputeWarning(UserWarning):
 
 
 class _CallerFunction:
-    """The rewrite of a function for one calling device.
+    """The rewrite of one of the user's concrete functions, on one device.
 
-    A ``tf.function`` with the user function's signature, traced (per input
-    signature) with that device as the caller, so that its plans name the
-    caller's task wherever the function's unplaced ops run: a function
-    called on two workers has a plan (and slots) per worker. It traces the
-    user's function for its arguments, or uses ``inner``, the user's
-    concrete function that get_concrete_function traced in the caller's
-    context. At most ``depth`` calls of it run at a time: further calls
-    from other threads wait here for one to finish, so that calls never
-    wait for each other's slot copies (each holds at most one copy of a
-    slot).
+    A ``tf.function`` with the user function's signature and tracing rules
+    (input signature, retracing), called with the call's arguments: traced
+    with that device as the caller, so that its plans name the caller's task
+    wherever the function's unplaced ops run (a function called on two
+    workers has a plan, and slots, per worker). It rewrites ``inner``, the
+    user's concrete function that the call (or get_concrete_function)
+    traced in the caller's context: a strategy's scope creates the
+    variables there. At most ``depth`` calls of it run at a time: further
+    calls from other threads wait here for one to finish, so that calls
+    never wait for each other's slot copies (each holds at most one copy of
+    a slot).
     """
 
-    def __init__(self, function, caller, inner=None):
+    def __init__(self, function, caller, inner):
         self._function = function
 
         def traced(*args, **kwargs):
-            concrete = (inner if inner is not None
-                        else function._fn.get_concrete_function(*args, **kwargs))
-            return function._trace(concrete, caller)
+            del args, kwargs  # the wrapper's own placeholders carry them
+            return function._trace(inner, caller)
 
         functools.update_wrapper(traced, function._python_fn)
         traced.__signature__ = inspect.signature(function._python_fn)
         self.wrapper = tf.function(
             traced, autograph=False,
-            input_signature=getattr(function._fn, "input_signature", None))
+            input_signature=getattr(function._fn, "input_signature", None),
+            reduce_retracing=getattr(function._fn, "_reduce_retracing", False))
         depth = function._depth
         self._in_flight = threading.BoundedSemaphore(
             depth if isinstance(depth, int) and depth >= 1 else 1)
