@@ -165,6 +165,24 @@ void StopWatching(OpKernelContext* ctx, tensorflow::CancellationToken token) {
   }
 }
 
+// A dead peer's Unavailable, worded for TensorFlow's ClusterCoordinator. It
+// tells a worker failure (the closure is run again elsewhere) from a ps
+// failure (raised to the user) by the text: an Unavailable that names
+// "/job:worker" and not "GRPC error information from remote target /job:ps"
+// is a worker failure. TensorFlow prefixes the error of a worker's component
+// with the worker's name, so a worker's op that lost its ps would be retried
+// on a live worker for ever. The error of an op whose peer is a ps therefore
+// carries that phrase and the ps as TensorFlow names it, as gRPC's own
+// errors do (docs/reliability.md).
+absl::Status ForCoordinator(const SlotSpec& spec, absl::Status s) {
+  const std::string ps = "/job:ps/task:";
+  if (!absl::IsUnavailable(s) || spec.peer.rfind(ps, 0) != 0) return s;
+  return absl::UnavailableError(
+      std::string(s.message()) +
+      " (GRPC error information from remote target /job:ps/replica:0/task:" +
+      spec.peer.substr(ps.size()) + ": tf_rdma lost this parameter server)");
+}
+
 // Records a traced op's event (tf_rdma.send / tf_rdma.recv), from its claim
 // until now; nothing for an untraced one (kernels/common/trace.h).
 void TraceOp(const char* name, const SlotSpec& spec, int64_t traced_since,
@@ -213,7 +231,7 @@ class SendOp : public AsyncOpKernel {
                  : engine->TrySendNow(&ticket, data, &now)) {
       TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
               ticket.call, nbytes);
-      OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
+      OP_REQUIRES_OK_ASYNC(ctx, ForCoordinator(spec_, ToTf(now)), done);
       done();
       // An answer often follows a send: wait for it on this thread, which
       // then goes on to run what the answer unblocks (engine/poller.cc).
@@ -235,7 +253,7 @@ class SendOp : public AsyncOpKernel {
           StopWatching(ctx, token);
           TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
                   ticket.call, nbytes);
-          ctx->SetStatus(ToTf(s));
+          ctx->SetStatus(ForCoordinator(spec_, ToTf(s)));
           keep = Tensor();
           done();
         });
@@ -282,7 +300,7 @@ class RecvOp : public AsyncOpKernel {
           } else {
             TraceOp(trace::kRecv, spec_, t.traced_since, t.step, t.call,
                     spec_.nbytes);
-            ctx->SetStatus(ToTf(s));
+            ctx->SetStatus(ForCoordinator(spec_, ToTf(s)));
           }
           done();
         });
