@@ -20,6 +20,7 @@ enum class Code {
   kPermissionDenied,   // the peer failed the secret handshake
   kInternal,           // a system call failed
   kResourceExhausted,  // the host ran out of something (/dev/shm space)
+  kCancelled,          // TensorFlow cancelled the op's step
 };
 
 class Status {
@@ -58,6 +59,9 @@ inline Status FailedPrecondition(std::string m) {
 }
 inline Status ResourceExhausted(std::string m) {
   return Status(Code::kResourceExhausted, std::move(m));
+}
+inline Status Cancelled(std::string m) {
+  return Status(Code::kCancelled, std::move(m));
 }
 inline Status PermissionDenied(std::string m) {
   return Status(Code::kPermissionDenied, std::move(m));

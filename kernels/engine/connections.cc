@@ -37,7 +37,7 @@ namespace tf_rdma {
 namespace {
 
 Code CodeFromInt(uint64_t c) {
-  constexpr auto kLast = static_cast<uint64_t>(Code::kResourceExhausted);
+  constexpr auto kLast = static_cast<uint64_t>(Code::kCancelled);
   if (c > kLast) return Code::kInternal;
   return static_cast<Code>(c);
 }
@@ -265,6 +265,16 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   // (~Connection), so that its number is not reused under a thread still
   // using it.
   shutdown(conn->fd, SHUT_RDWR);
+  // A matched-call region lives as long as its writer's connection
+  // (peers.cc, "Releasing a peer's regions").
+  if (!stopping_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ReleaseRegionsOfLocked(conn, "the connection " +
+                                     (conn->dialed
+                                          ? config_.task + " -> " + conn->peer
+                                          : conn->peer + " -> " + config_.task) +
+                                     " ended (" + why.message() + ")");
+  }
   // Waits on this peer fail now, not at their next periodic check.
   poller_recheck_.store(true);
   RingPoller();

@@ -290,7 +290,9 @@ void Engine::Stop() {
   RingPoller();
   std::lock_guard<std::mutex> lock(mu_);
   // Mappings stay valid (tensors may still alias them); the names go.
-  for (auto& region : regions_) region->memory->Unlink();
+  for (auto& region : regions_) {
+    if (region->memory) region->memory->Unlink();
+  }
   close(listen_fd_);
 }
 
@@ -335,12 +337,17 @@ std::string Engine::Info() {
     first = false;
   }
   out += "], \"regions\": [";
+  // Released regions (peers.cc) are not listed.
+  SweepRetiredLocked();
+  first = true;
   for (size_t id = 0; id < regions_.size(); ++id) {
     const LocalRegion& r = *regions_[id];
-    out += std::string(id ? ", " : "") + "{\"id\": " + std::to_string(id) +
+    if (r.retired.load(std::memory_order_relaxed)) continue;
+    out += std::string(first ? "" : ", ") + "{\"id\": " + std::to_string(id) +
            ", \"name\": " + JsonString(r.name) + ", \"segment\": " +
            JsonString(r.memory->shm_name()) + ", \"bytes\": " +
            std::to_string(r.memory->size()) + "}";
+    first = false;
   }
   return out + "]}";
 }

@@ -211,11 +211,20 @@ struct SendTicket {
   // When it was claimed, if tracing was on then (kernels/common/trace.h);
   // 0: untraced, its phases record nothing.
   int64_t traced_since = 0;
+  // Set (by the op's CancellationManager callback) when TensorFlow cancels
+  // the op's step: its waits end with Cancelled at their next check. Null:
+  // not cancellable.
+  std::shared_ptr<std::atomic<bool>> cancelled;
 };
 
 // A claimed step of a recv.
 struct RecvTicket {
   RecvSlot* slot = nullptr;
+  // The slot's region when the recv was claimed: the copy it takes lives
+  // there, and its credit goes to that region's writer. A matched-call
+  // region whose writer went away is replaced by a fresh one (see
+  // "Releasing a peer's regions", peers.cc); a ticket keeps its own.
+  LocalRegion* region = nullptr;
   uint64_t step = 0;  // match_calls: the writer's step of the copy taken
   uint64_t copy = 0;
   uint64_t call = 0;  // match_calls: take only a copy written by this call
@@ -231,6 +240,7 @@ struct RecvTicket {
   // has not waited (stats.h).
   Clock::time_point waiting_since{};
   int64_t traced_since = 0;    // as SendTicket's
+  std::shared_ptr<std::atomic<bool>> cancelled;  // as SendTicket's
 };
 
 // The step a trace event of a transfer names: the call's id with
@@ -331,6 +341,10 @@ class Engine {
   // on this thread. Returns true if it completed one. See poller.cc.
   bool HelpRecvs();
   void Release(const RecvTicket& ticket);
+  // Counts a received tensor that aliases the ticket's region (+1 when it
+  // is made, -1 when it is dropped): a released region is unmapped only
+  // once none does (peers.cc).
+  static void HoldRegion(const RecvTicket& ticket, int delta);
 
   // For a send slot that has written: the last step written and the
   // newest step the reader released (credit words); false if the slot has
@@ -383,6 +397,11 @@ class Engine {
   // measured by tests/test_stall.py (tfrdma_stall_bench).
   int64_t StallBench(int64_t n);
 
+  // Wakes the waits of cancelled ops (a ticket's `cancelled` was set):
+  // the poller checks them at once; waits on engine threads see it within
+  // kCheckEveryMs.
+  void WakeCancelled();
+
   void Log(const std::string& line);
   // Log for lines a peer can cause (rejections): at most a few per
   // interval, then one summary line (handshake.cc).
@@ -410,6 +429,22 @@ class Engine {
   // Restarted peers (peers.cc).
   void NotePeerIncarnation(const std::shared_ptr<Connection>& conn);
   std::string RestartMessage(const std::string& peer, bool peer_writes);
+  // Releasing a peer's regions (peers.cc). All with mu_ held.
+  // Whether the slots of region `name` seen here all match calls.
+  bool MatchedRegion(const std::string& name);
+  // Releases what this side holds for `conn`'s writes (a data region it
+  // wrote and its payload areas) or for its reads (the send regions into
+  // it): only matched-call regions; the others keep today's rules.
+  void ReleaseRegionsOfLocked(const std::shared_ptr<Connection>& conn,
+                              const std::string& why);
+  // Takes a data region (and its payload areas) out of use: unlinked,
+  // dropped from data_regions_, unmapped by SweepRetiredLocked later.
+  void RetireRegionLocked(LocalRegion* region, const std::string& why);
+  // Unmaps released regions that nothing can touch any more.
+  void SweepRetiredLocked();
+  // The slot's live region, made afresh if its current one was released;
+  // rebinds every recv slot of that region name.
+  Status CurrentRegion(RecvSlot* slot, LocalRegion** out);
   // Publishes the notices a verbs pair received (progress thread).
   void HandleNotices(const std::shared_ptr<Connection>& conn);
   // Makes the pair of the transport both ends chose, through its backend.
@@ -515,10 +550,10 @@ class Engine {
                   const std::shared_ptr<StallWait>& stall);
   // Why a recv that is still waiting must fail now (plan refusal, peer
   // gone), or ok; `what` prefixes the message.
-  Status RecvCheck(RecvSlot* slot, const std::string& what);
+  Status RecvCheck(const RecvTicket& ticket, const std::string& what);
   // With the peer's position (StallFacts) when `stall` is set: may ask the
   // peer, for up to 250 ms.
-  Status RecvTimedOut(RecvSlot* slot, const std::string& what,
+  Status RecvTimedOut(const RecvTicket& ticket, const std::string& what,
                       const Status& timeout,
                       const std::shared_ptr<StallWait>& stall);
   void GiveBackRecv(RecvTicket* ticket, const Status& why);
@@ -606,8 +641,20 @@ class Engine {
   std::vector<RecvSlot*> recv_slot_list_;
   std::atomic<uint32_t> recv_slots_made_{0};
   // Regions each writer task's OPENs created (under mu_): the limit is per
-  // task, for the life of the process, since regions are never freed.
+  // task, for the life of the process (released regions count too).
   std::map<std::string, int> regions_opened_by_;
+  // RegionKind bits of each region name, as its slots here were claimed.
+  std::map<std::string, int> region_kind_;
+  // Released regions not unmapped yet, and from when they may be: after
+  // every wait that could still look at them has ended (the longest
+  // timeout), once no received tensor aliases them (`base` counts those
+  // for its payload areas too).
+  struct Retired {
+    LocalRegion* region;
+    LocalRegion* base;
+    Clock::time_point not_before;
+  };
+  std::vector<Retired> retired_;
 
   // Handshakes in progress, in all and by source address.
   std::mutex handshake_mu_;

@@ -86,7 +86,20 @@ struct LocalRegion {
   // The counters of the writer's peer and transport (stats.h), set with
   // `writer`; read lock-free by the recvs that count what they took.
   std::atomic<PeerCounters*> stats{nullptr};
+  // Released (peers.cc, "Releasing a peer's regions"): its writer went
+  // away, its name is gone from /dev/shm and from the endpoint's tables,
+  // and its memory is unmapped once nothing can touch it (Engine::mu_).
+  std::atomic<bool> retired{false};
+  // Received tensors that alias this region now (SlotBuffer): it is not
+  // unmapped while any does.
+  std::atomic<int64_t> held{0};
 };
+
+// What the slots of a region, as this side has seen them, match by: calls
+// (a rewritten function's), order (collectives, hand-written plans) or both.
+// Only a region of matched-call slots alone is released when its peer goes
+// (peers.cc). Kept by region name, for the life of the process.
+enum RegionKind : int { kKindMatched = 1, kKindInOrder = 2 };
 
 // A step that fails is given back (the next op on the slot retries the same
 // step, so a late peer loses nothing) when it is the newest claim. If later
@@ -107,6 +120,9 @@ struct SendSlot {
   std::vector<char> busy;
   // Set once by BindSendSlot (under mu), read lock-free after `bound`.
   std::atomic<bool> bound{false};
+  // The SendRegion::epoch it was bound in (under mu): a matched-call slot
+  // bound in a newer one starts its copies' state again.
+  uint64_t epoch = 0;
   std::shared_ptr<Connection> conn;
   int data_handle = -1;
   Region* credits = nullptr;
@@ -135,6 +151,9 @@ struct SendRegion {
   // Non-empty: the reader restarted after this region was opened.
   std::string refusal;
   bool refusal_told = false;  // sent to the new reader (BindSendSlot)
+  // Counts its openings on a new connection (under state_mu): the reader's
+  // region of a matched-call plan is a fresh one each time (peers.cc).
+  uint64_t epoch = 0;
   int data_handle = -1;
   Region* credits = nullptr;
   uint32_t credits_id = 0;
@@ -157,7 +176,12 @@ struct RecvSlot {
   std::vector<uint64_t> seen_step;
   std::vector<Clock::time_point> seen_at;
   std::deque<uint64_t> abandoned;
-  LocalRegion* region = nullptr;  // set at the first claim
+  // The region the state above belongs to: a recv of a fresh region
+  // (peers.cc) starts that state again (MatchRecv).
+  LocalRegion* matched_region = nullptr;
+  // The slot's current region: set at the first claim, replaced (under
+  // Engine::mu_) when a matched-call region is released and made afresh.
+  std::atomic<LocalRegion*> region{nullptr};
 };
 
 // A wait the stall inspector watches (stall.cc): registered when an op

@@ -102,6 +102,10 @@ Status Engine::AcquireCopy(SendTicket* ticket,
           "them)" + StallFacts(stall));
     }
     if (now >= next_check) {
+      if (ticket->cancelled &&
+          ticket->cancelled->load(std::memory_order_acquire)) {
+        return Cancelled(what() + ": its step was cancelled");
+      }
       TF_RDMA_RETURN_IF_ERROR(CheckPeerAlive(conn, what()));
       next_check = now + std::chrono::milliseconds(kCheckEveryMs);
     }
@@ -118,11 +122,21 @@ Status Engine::AcquireCopy(SendTicket* ticket,
 bool Engine::MatchRecv(RecvTicket* ticket, bool take) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
-  Region* memory = slot->region->memory.get();
+  // A released region (its writer went away, peers.cc) holds no copy for
+  // anyone any more: the recv fails at its next check (RecvCheck).
+  if (ticket->region->retired.load(std::memory_order_acquire)) return false;
+  Region* memory = ticket->region->memory.get();
   std::vector<RecvTicket> dropped;
   bool found = false;
   {
     std::lock_guard<std::mutex> lock(slot->mu);
+    if (slot->matched_region != ticket->region) {
+      // The first recv in a fresh region: its writer starts from step 1.
+      slot->matched_region = ticket->region;
+      std::fill(slot->taken.begin(), slot->taken.end(), 0);
+      std::fill(slot->seen_step.begin(), slot->seen_step.end(), 0);
+      slot->abandoned.clear();
+    }
     Clock::time_point now{};
     for (int64_t c = 0; c < spec.depth; ++c) {
       uint64_t at = CopyOffset(spec, c);
@@ -178,7 +192,7 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
                             const std::shared_ptr<StallWait>& stall) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
-  Region* memory = slot->region->memory.get();
+  Region* memory = ticket->region->memory.get();
   auto what = [&] { return "tf_rdma recv of " + spec.Describe(ticket->call); };
   std::vector<WordWatch> watch(spec.depth);
   Clock::time_point next_check =
@@ -193,14 +207,14 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
     if (MatchRecv(ticket, /*take=*/false)) return Status::Ok();
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
-      return RecvTimedOut(slot, what(),
+      return RecvTimedOut(*ticket, what(),
                           DeadlineExceeded("timed out after " +
                                            std::to_string(deadline.timeout_ms()) +
                                            " ms"),
                           stall);
     }
     if (now >= next_check) {
-      TF_RDMA_RETURN_IF_ERROR(RecvCheck(slot, what()));
+      TF_RDMA_RETURN_IF_ERROR(RecvCheck(*ticket, what()));
       next_check = now + std::chrono::milliseconds(kCheckEveryMs);
     }
     if (!WaitForAnyWord(watch.data(), static_cast<int>(watch.size()),

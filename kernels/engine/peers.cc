@@ -20,9 +20,50 @@
 // their timeout; the new process's ops get the same message from the OPEN
 // that the survivor refuses. A connection that drops while both processes
 // live (same incarnations) is dialled again and continues.
+//
+// Releasing a peer's regions (matched-call regions only).
+//
+// The rule above is for regions whose slots pair the n-th send with the
+// n-th recv (collectives, hand-written plans): there the step numbers *are*
+// the agreement between the two sides. The slots of a rewritten function
+// match by call instead (match.cc): a recv takes the copy that names its
+// own call, whatever its step, so nothing that outlives a call has to agree
+// between the two processes. That is what lets a ParameterServerStrategy
+// job go on when a worker dies: the coordinator runs the dead worker's
+// steps elsewhere and, once the worker is back, gives it steps again, and
+// the parameter servers must neither refuse the new process nor keep the
+// old one's memory. So for a region whose slots (as this side has claimed
+// them) all match calls, a region lives exactly as long as its writer's
+// connection:
+//
+//   - When the connection ends (the peer died, stopped, restarted, or only
+//     lost the connection), the reader *releases* the region: it is taken
+//     out of the endpoint's tables and info, its /dev/shm name is removed at
+//     once, and its memory is unmapped as soon as nothing can touch it:
+//     once no received tensor aliases it (SlotBuffer counts them) and the
+//     longest timeout of its slots has passed (every wait that began on it
+//     is bounded by that, and recvs that wait on it fail at their next
+//     check, within kCheckEveryMs). Copies its tensors still hold go back to
+//     no one when released.
+//   - The writer, for its part, releases its credit region and forgets the
+//     copies' state of its slots (SendRegion::epoch).
+//   - The next OPEN of that name, by the same process on a new connection or
+//     by a restarted one, gets a fresh region: zeroed sequence and call
+//     words, recv slots rebound to it (CurrentRegion), their matching state
+//     started again (MatchRecv), and the writer's copies all free.
+//
+// Calls that were in flight on the old connection fail (they did before:
+// a lost connection fails the waits on it at once); no call can take a copy
+// that another connection wrote. Cost: one region allocation per reopened
+// region, the first time each slot is used after the peer came back, and
+// nothing on the data path (a recv reads its ticket's region instead of
+// the slot's). A region nobody has claimed a slot of on this side is not
+// known to match calls and keeps the rule above.
 
 #include "kernels/engine/engine.h"
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,17 +92,26 @@ void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
     }
     known = conn->incarnation;
     Log(conn->peer + " restarted: it connected as a new process");
+    std::vector<LocalRegion*> release;
     for (auto& region : regions_) {
       LocalRegion& r = *region;
-      if (r.peer != conn->peer || r.name.find("#credit") != std::string::npos) {
+      if (r.peer != conn->peer || r.name.find("#credit") != std::string::npos ||
+          r.retired.load(std::memory_order_relaxed)) {
+        continue;
+      }
+      if (MatchedRegion(r.name.substr(0, r.name.find('#')))) {
+        if (r.opened) release.push_back(&r);
         continue;
       }
       if (r.opened && r.refusal.empty()) r.refusal = RestartMessage(r.peer, true);
       r.writer.reset();
     }
+    for (LocalRegion* r : release) {
+      RetireRegionLocked(r, conn->peer + " restarted");
+    }
     for (auto& kv : send_regions_) {
       SendRegion& r = *kv.second;
-      if (r.peer != conn->peer) continue;
+      if (r.peer != conn->peer || MatchedRegion(kv.first)) continue;
       std::lock_guard<std::mutex> rl(r.state_mu);
       if (r.open && r.refusal.empty()) {
         r.refusal = RestartMessage(r.peer, false);
@@ -78,6 +128,125 @@ void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
   }
   poller_recheck_.store(true);
   RingPoller();
+}
+
+bool Engine::MatchedRegion(const std::string& name) {
+  auto it = region_kind_.find(name);
+  return it != region_kind_.end() && it->second == kKindMatched;
+}
+
+void Engine::RetireRegionLocked(LocalRegion* region, const std::string& why) {
+  if (region->retired.exchange(true)) return;
+  // Its payload areas ("<name>#<tensor>#<n>") go with it.
+  std::vector<LocalRegion*> parts = {region};
+  const std::string prefix = region->name + "#";
+  for (auto& r : regions_) {
+    if (r->name.compare(0, prefix.size(), prefix) == 0 &&
+        r->name.find("#credit") == std::string::npos &&
+        !r->retired.exchange(true)) {
+      parts.push_back(r.get());
+    }
+  }
+  int64_t longest = config_.timeout_ms;
+  for (RecvSlot* slot : recv_slot_list_) {
+    if (slot->spec.region == region->name) {
+      longest = std::max(longest, TimeoutFor(slot->spec));
+    }
+  }
+  Clock::time_point not_before =
+      Clock::now() + std::chrono::milliseconds(longest + 2 * kCheckEveryMs);
+  uint64_t bytes = 0;
+  for (LocalRegion* r : parts) {
+    auto it = data_regions_.find(r->name);
+    if (it != data_regions_.end() && it->second == r) data_regions_.erase(it);
+    r->writer.reset();
+    int& opened = regions_opened_by_[r->peer];
+    if (opened > 0) --opened;  // its memory goes
+    bytes += r->memory->size();
+    r->memory->Unlink();
+    retired_.push_back(Retired{r, region, not_before});
+  }
+  Log("released region '" + region->name + "' of " + region->peer + " (" +
+      std::to_string(parts.size()) + " segment" +
+      (parts.size() == 1 ? "" : "s") + ", " + std::to_string(bytes) +
+      " bytes): " + why);
+  // Waits on it fail at once (RecvCheck), not at their next periodic check.
+  poller_recheck_.store(true);
+  RingPoller();
+}
+
+void Engine::SweepRetiredLocked() {
+  Clock::time_point now = Clock::now();
+  size_t kept = 0;
+  for (size_t i = 0; i < retired_.size(); ++i) {
+    Retired& r = retired_[i];
+    if (now >= r.not_before &&
+        r.base->held.load(std::memory_order_acquire) == 0) {
+      r.region->memory.reset();  // unmaps it
+      continue;
+    }
+    retired_[kept++] = r;
+  }
+  retired_.resize(kept);
+}
+
+void Engine::ReleaseRegionsOfLocked(const std::shared_ptr<Connection>& conn,
+                                    const std::string& why) {
+  if (!conn->dialed) {
+    // The peer wrote here: its matched-call regions go.
+    std::vector<LocalRegion*> release;
+    for (auto& kv : data_regions_) {
+      LocalRegion* r = kv.second;
+      if (r->writer == conn && kv.first.find('#') == std::string::npos &&
+          MatchedRegion(kv.first)) {
+        release.push_back(r);
+      }
+    }
+    for (LocalRegion* r : release) RetireRegionLocked(r, why);
+  } else {
+    // This process wrote to the peer: its credit regions go, and the slots
+    // start their copies again on the next connection (BindSendSlot).
+    for (auto& kv : send_regions_) {
+      SendRegion& r = *kv.second;
+      if (!MatchedRegion(kv.first)) continue;
+      std::lock_guard<std::mutex> rl(r.state_mu);
+      if (r.conn != conn) continue;
+      r.open = false;
+      r.conn.reset();
+      LocalRegion* credits = r.credit_region;
+      if (credits != nullptr && !credits->retired.exchange(true)) {
+        credits->memory->Unlink();
+        // Sends that still look at it end by their deadline.
+        retired_.push_back(Retired{
+            credits, credits,
+            Clock::now() + std::chrono::milliseconds(config_.timeout_ms +
+                                                     2 * kCheckEveryMs)});
+        Log("released the credit region of '" + kv.first + "': " + why);
+      }
+      r.credit_region = nullptr;
+    }
+  }
+  SweepRetiredLocked();
+}
+
+Status Engine::CurrentRegion(RecvSlot* slot, LocalRegion** out) {
+  LocalRegion* region = slot->region.load(std::memory_order_acquire);
+  if (!region->retired.load(std::memory_order_acquire)) {
+    *out = region;
+    return Status::Ok();
+  }
+  const SlotSpec& spec = slot->spec;
+  LocalRegion* fresh = nullptr;
+  TF_RDMA_RETURN_IF_ERROR(FindOrCreateDataRegion(
+      spec.region, spec.region_bytes, spec.plan_hash, spec.peer, &fresh));
+  for (RecvSlot* other : recv_slot_list_) {
+    if (other->spec.region == spec.region) {
+      other->region.store(fresh, std::memory_order_release);
+    }
+  }
+  SweepRetiredLocked();
+  *out = fresh;
+  return Status::Ok();
 }
 
 }  // namespace tf_rdma

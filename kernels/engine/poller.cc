@@ -139,7 +139,7 @@ struct Engine::PendingRecv {
 
 void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
   const SlotSpec& spec = ticket.slot->spec;
-  Region* memory = ticket.slot->region->memory.get();
+  Region* memory = ticket.region->memory.get();
   auto p = std::make_shared<PendingRecv>();
   p->engine = this;
   p->ticket = ticket;
@@ -183,6 +183,11 @@ void Engine::WaitRecvAsync(const RecvTicket& ticket, RecvDone done) {
     if (helpers_.load(std::memory_order_seq_cst) > 0) return;
   }
   WakePoller();
+}
+
+void Engine::WakeCancelled() {
+  poller_recheck_.store(true);
+  RingPoller();
 }
 
 void Engine::RingPoller() {
@@ -296,7 +301,9 @@ Engine::Helped Engine::HelpRecvsFor(int64_t budget_us) {
       slots_of = this;
     }
     for (RecvSlot* slot : slots) {
-      Region* memory = slot->region->memory.get();
+      LocalRegion* region = slot->region.load(std::memory_order_acquire);
+      if (region->retired.load(std::memory_order_acquire)) continue;
+      Region* memory = region->memory.get();
       for (int64_t c = 0; c < slot->spec.depth; ++c) {
         const std::atomic<uint64_t>* word =
             memory->Word(CopyOffset(slot->spec, c));
@@ -385,11 +392,16 @@ void Engine::PollerLoop() {
       }
       if (p->timing_out) continue;  // an engine thread completes it
       bool expired = now >= p->deadline.at();
-      if (now >= p->next_check || expired) {
+      // A cancelled step rings the bell (CancelWaits): checked at once.
+      bool cancelled = p->ticket.cancelled &&
+                       p->ticket.cancelled->load(std::memory_order_acquire);
+      if (now >= p->next_check || expired || cancelled) {
         RecvSlot* slot = p->ticket.slot;
         std::string what =
-            "tf_rdma recv of " + slot->spec.Describe(p->ticket.step);
-        Status s = RecvCheck(slot, what);
+            "tf_rdma recv of " +
+            slot->spec.Describe(slot->spec.match_calls ? p->ticket.call
+                                                       : p->ticket.step);
+        Status s = RecvCheck(p->ticket, what);
         if (s.ok() && expired) {
           if (p->Landed()) {
             TakePending(p, Status::Ok());
@@ -400,10 +412,10 @@ void Engine::PollerLoop() {
           // serves every other wait.
           p->timing_out = true;
           p->handed_off = true;
-          Schedule([this, p, slot, what] {
+          Schedule([this, p, what] {
             Status s = p->Landed()
                            ? Status::Ok()
-                           : RecvTimedOut(slot, what,
+                           : RecvTimedOut(p->ticket, what,
                                           DeadlineExceeded(
                                               "timed out after " +
                                               std::to_string(

@@ -31,9 +31,10 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
         RefuseWriter(spec.region, s);
         return s;
       }
+      region_kind_[spec.region] |= spec.match_calls ? kKindMatched : kKindInOrder;
       entry.reset(new RecvSlot());
       entry->spec = spec;
-      entry->region = region;
+      entry->region.store(region, std::memory_order_release);
       recv_slot_list_.push_back(entry.get());
       recv_slots_made_.fetch_add(1, std::memory_order_release);
       if (spec.match_calls) {
@@ -50,6 +51,12 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
   ticket->slot = slot;
   ticket->call = call;
   ticket->timeout_ms = TimeoutFor(spec);
+  ticket->region = slot->region.load(std::memory_order_acquire);
+  if (ticket->region->retired.load(std::memory_order_acquire)) {
+    // Its writer went away (peers.cc): this recv waits in the fresh region.
+    std::lock_guard<std::mutex> lock(mu_);
+    TF_RDMA_RETURN_IF_ERROR(CurrentRegion(slot, &ticket->region));
+  }
   if (spec.match_calls) return Status::Ok();  // the copy is found later
   std::lock_guard<std::mutex> lock(slot->mu);
   TF_RDMA_RETURN_IF_ERROR(ClaimStep(&slot->steps, spec, &ticket->step));
@@ -62,7 +69,7 @@ bool Engine::TryRecvNow(RecvTicket* ticket) {
   const SlotSpec& spec = slot->spec;
   if (spec.match_calls) return MatchRecv(ticket, /*take=*/true);
   uint64_t copy = CopyOffset(spec, ticket->copy);
-  Region* memory = slot->region->memory.get();
+  Region* memory = ticket->region->memory.get();
   if (memory->Word(copy)->load(std::memory_order_acquire) < ticket->step) {
     return false;
   }
@@ -139,7 +146,8 @@ Status Engine::FinishRecv(RecvTicket* ticket) {
 }
 
 PeerCounters* Engine::RecvCounters(RecvSlot* slot) {
-  PeerCounters* c = slot->region->stats.load(std::memory_order_acquire);
+  PeerCounters* c = slot->region.load(std::memory_order_acquire)
+                        ->stats.load(std::memory_order_acquire);
   return c != nullptr ? c : stats_.For(slot->spec.peer, kNoTransport);
 }
 
@@ -168,25 +176,34 @@ void Engine::GiveBackRecv(RecvTicket* ticket, const Status& why) {
   GiveBackStep(&ticket->slot->steps, ticket->step, why);
 }
 
-Status Engine::RecvCheck(RecvSlot* slot, const std::string& what) {
+Status Engine::RecvCheck(const RecvTicket& ticket, const std::string& what) {
+  if (ticket.cancelled && ticket.cancelled->load(std::memory_order_acquire)) {
+    return Cancelled(what + ": its step was cancelled");
+  }
   std::shared_ptr<Connection> writer;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!slot->region->refusal.empty()) {
-      return FailedPrecondition(what + ": " + slot->region->refusal);
+    LocalRegion* region = ticket.region;
+    if (!region->refusal.empty()) {
+      return FailedPrecondition(what + ": " + region->refusal);
     }
-    writer = slot->region->writer;
+    if (region->retired.load(std::memory_order_relaxed)) {
+      return Unavailable(what + ": " + ticket.slot->spec.peer +
+                         " went away (its connection ended) while this recv "
+                         "waited; its region here was released");
+    }
+    writer = region->writer;
   }
   return CheckPeerAlive(writer, what);
 }
 
-Status Engine::RecvTimedOut(RecvSlot* slot, const std::string& what,
+Status Engine::RecvTimedOut(const RecvTicket& ticket, const std::string& what,
                             const Status& timeout,
                             const std::shared_ptr<StallWait>& stall) {
   bool connected;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    connected = slot->region->writer != nullptr;
+    connected = ticket.region->writer != nullptr;
   }
   return DeadlineExceeded(
       what + ": " + timeout.message() + " waiting for the data" +
@@ -201,13 +218,13 @@ Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
   // Built only for an error: every recv passes here.
   auto what = [&] { return "tf_rdma recv of " + spec.Describe(ticket->step); };
   uint64_t copy = CopyOffset(spec, ticket->copy);
-  Region* memory = slot->region->memory.get();
+  Region* memory = ticket->region->memory.get();
   Status s = WaitForWord(memory->Word(copy), ticket->step, deadline,
-                         [&] { return RecvCheck(slot, what()); },
+                         [&] { return RecvCheck(*ticket, what()); },
                          ticket->spin_us, memory->Sleepers(copy));
   if (!s.ok()) {
     if (s.code() == Code::kDeadlineExceeded) {
-      return RecvTimedOut(slot, what(), s, stall);
+      return RecvTimedOut(*ticket, what(), s, stall);
     }
     return s;
   }
@@ -259,6 +276,12 @@ Status Engine::ResolveDynamic(RecvTicket* ticket, DynamicMeta* meta) {
   return Status::Ok();
 }
 
+void Engine::HoldRegion(const RecvTicket& ticket, int delta) {
+  if (ticket.region != nullptr) {
+    ticket.region->held.fetch_add(delta, std::memory_order_acq_rel);
+  }
+}
+
 void Engine::Release(const RecvTicket& ticket) {
   RecvSlot* slot = ticket.slot;
   const SlotSpec& spec = slot->spec;
@@ -266,8 +289,10 @@ void Engine::Release(const RecvTicket& ticket) {
   int handle;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    writer = slot->region->writer;
-    handle = slot->region->credit_handle;
+    // The ticket's region: a copy of a released region goes back to no one
+    // (its writer went away; a fresh writer starts on fresh copies).
+    writer = ticket.region->writer;
+    handle = ticket.region->credit_handle;
   }
   if (!writer || stopping_) return;
   uint64_t line =

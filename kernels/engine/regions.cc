@@ -101,7 +101,9 @@ Region* Engine::RegionForPeer(const Connection& conn, uint32_t id) {
     if (!conn.peer_writable.count(id)) return nullptr;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  return id < regions_.size() ? regions_[id]->memory.get() : nullptr;
+  return id < regions_.size() && !regions_[id]->retired.load()
+             ? regions_[id]->memory.get()
+             : nullptr;
 }
 
 namespace {
@@ -184,6 +186,27 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     if (s.ok()) {
       s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
                                  &region);
+    }
+    // A matched-call region lives as long as its writer's connection
+    // (peers.cc): opened again on another one, it starts afresh.
+    if (s.ok() && region->opened && region->writer != conn &&
+        MatchedRegion(name.substr(0, name.find('#')))) {
+      if (region->writer && !region->writer->gone.load()) {
+        if (region->writer->peer == conn->peer &&
+            region->writer->incarnation == conn->incarnation) {
+          replaced = region->writer;
+        } else {
+          s = FailedPrecondition("region '" + Printable(name) +
+                                 "' already has a connected writer");
+        }
+      }
+      if (s.ok()) {
+        RetireRegionLocked(region, conn->peer + " opened it again on a new "
+                                   "connection");
+        exists = false;
+        s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
+                                   &region);
+      }
     }
     if (s.ok() && !exists) ++created;
     // The writer refuses to go on with this region (it saw this process

@@ -103,6 +103,7 @@ Status Engine::BindSendSlot(SendSlot* slot, uint64_t step,
       entry->peer = spec.peer;
     }
     region = entry.get();
+    region_kind_[spec.region] |= spec.match_calls ? kKindMatched : kKindInOrder;
   }
   std::lock_guard<std::mutex> rlock(region->mu);
   bool open;
@@ -129,6 +130,18 @@ Status Engine::BindSendSlot(SendSlot* slot, uint64_t step,
   }
   if (!open) {
     TF_RDMA_RETURN_IF_ERROR(OpenSendRegion(spec, conn, deadline, region));
+  }
+  uint64_t epoch;
+  {
+    std::lock_guard<std::mutex> sl(region->state_mu);
+    epoch = region->epoch;
+  }
+  if (spec.match_calls && slot->epoch != epoch) {
+    // The region was opened afresh on the reader (peers.cc): every copy is
+    // free there. A copy a send writes now (on the old connection, where
+    // it fails) stays busy until that send ends.
+    std::fill(slot->issued.begin(), slot->issued.end(), 0);
+    slot->epoch = epoch;
   }
   {
     std::lock_guard<std::mutex> dl(slot->dynamic_mu);
@@ -194,6 +207,7 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
   region->credits = credits->memory.get();
   region->credits_id = credits->id;
   region->open = true;
+  ++region->epoch;
   return Status::Ok();
 }
 
@@ -420,7 +434,13 @@ Status Engine::SendStep(SendTicket ticket, const void* data,
       stall = BeginStall(StallWait::kCredit, nullptr, slot, ticket.step, need);
     }
     s = WaitForWord(credit, need, deadline,
-                    [&] { return CheckPeerAlive(conn, what()); },
+                    [&] {
+                      if (ticket.cancelled &&
+                          ticket.cancelled->load(std::memory_order_acquire)) {
+                        return Cancelled(what() + ": its step was cancelled");
+                      }
+                      return CheckPeerAlive(conn, what());
+                    },
                     /*spin_us=*/0, SleepersOf(credit));
     EndStall(stall);
     if (s.code() == Code::kDeadlineExceeded) {

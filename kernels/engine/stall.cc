@@ -358,11 +358,11 @@ std::string Engine::LocalFacts(const StallWait& w) {
     RecvSlot* slot = w.recv;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!slot->region->writer) {
+      if (!slot->region.load(std::memory_order_acquire)->writer) {
         return "it has not connected to write here yet";
       }
     }
-    Region* memory = slot->region->memory.get();
+    Region* memory = slot->region.load(std::memory_order_acquire)->memory.get();
     uint64_t last = 0, call = 0;
     for (int64_t c = 0; c < spec.depth; ++c) {
       uint64_t at = CopyOffset(spec, c);

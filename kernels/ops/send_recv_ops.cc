@@ -10,11 +10,27 @@
 // engine thread, so TensorFlow's inter-op threads never block on a peer. A
 // send that completed inline briefly helps the poller: the answer it
 // probably expects is completed on its thread (engine/poller.cc).
+//
+// Cancellation. A step that TensorFlow cancels (a failed component of a
+// multi-device function call, a ClusterCoordinator that gives up on a
+// closure) starts its CancellationManager. An op that has to wait registers
+// a callback there, as TensorFlow's own RecvOp does through its rendezvous:
+// the callback sets the ticket's `cancelled` flag and wakes the engine's
+// waits, so a recv with the poller ends with Cancelled at once and a wait
+// on an engine thread (a send waiting for a credit) within kCheckEveryMs
+// (50 ms). The callback holds only the flag and the engine (which lives as
+// long as the process), so it may run after the op ended; the op takes it
+// off (TryDeregisterCallback, which never blocks) when it completes. Cost:
+// one registration per op that waits, none for an op that completes inline.
+// Dialling a peer and opening a region are not cancelled: they are bounded
+// by the timeout.
 #include <atomic>
+#include <memory>
 
 #include "kernels/engine/engine.h"
 #include "kernels/ops/slot_buffer.h"
 #include "kernels/ops/tf_status.h"
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -120,6 +136,53 @@ uint64_t CallOf(OpKernelContext* ctx) {
   return static_cast<uint64_t>(ctx->step_id());
 }
 
+// Registers `ticket`'s wait with the step's CancellationManager (see
+// "Cancellation" above); returns the token to deregister, or kInvalidToken
+// where the op runs without one. A step already cancelled sets the flag at
+// once: the wait then ends at its first check.
+template <typename Ticket>
+tensorflow::CancellationToken WatchCancellation(OpKernelContext* ctx,
+                                                Ticket* ticket) {
+  tensorflow::CancellationManager* cm = ctx->cancellation_manager();
+  if (cm == nullptr) return tensorflow::CancellationManager::kInvalidToken;
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  ticket->cancelled = flag;
+  Engine* engine = Engine::Get();
+  tensorflow::CancellationToken token = cm->get_cancellation_token();
+  if (!cm->RegisterCallback(token, [flag, engine] {
+        flag->store(true, std::memory_order_release);
+        engine->WakeCancelled();
+      })) {
+    flag->store(true, std::memory_order_release);
+    return tensorflow::CancellationManager::kInvalidToken;
+  }
+  return token;
+}
+
+void StopWatching(OpKernelContext* ctx, tensorflow::CancellationToken token) {
+  if (token != tensorflow::CancellationManager::kInvalidToken) {
+    ctx->cancellation_manager()->TryDeregisterCallback(token);
+  }
+}
+
+// A dead peer's Unavailable, worded for TensorFlow's ClusterCoordinator. It
+// tells a worker failure (the closure is run again elsewhere) from a ps
+// failure (raised to the user) by the text: an Unavailable that names
+// "/job:worker" and not "GRPC error information from remote target /job:ps"
+// is a worker failure. TensorFlow prefixes the error of a worker's component
+// with the worker's name, so a worker's op that lost its ps would be retried
+// on a live worker for ever. The error of an op whose peer is a ps therefore
+// carries that phrase and the ps as TensorFlow names it, as gRPC's own
+// errors do (docs/reliability.md).
+absl::Status ForCoordinator(const SlotSpec& spec, absl::Status s) {
+  const std::string ps = "/job:ps/task:";
+  if (!absl::IsUnavailable(s) || spec.peer.rfind(ps, 0) != 0) return s;
+  return absl::UnavailableError(
+      std::string(s.message()) +
+      " (GRPC error information from remote target /job:ps/replica:0/task:" +
+      spec.peer.substr(ps.size()) + ": tf_rdma lost this parameter server)");
+}
+
 // Records a traced op's event (tf_rdma.send / tf_rdma.recv), from its claim
 // until now; nothing for an untraced one (kernels/common/trace.h).
 void TraceOp(const char* name, const SlotSpec& spec, int64_t traced_since,
@@ -168,7 +231,7 @@ class SendOp : public AsyncOpKernel {
                  : engine->TrySendNow(&ticket, data, &now)) {
       TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
               ticket.call, nbytes);
-      OP_REQUIRES_OK_ASYNC(ctx, ToTf(now), done);
+      OP_REQUIRES_OK_ASYNC(ctx, ForCoordinator(spec_, ToTf(now)), done);
       done();
       // An answer often follows a send: wait for it on this thread, which
       // then goes on to run what the answer unblocks (engine/poller.cc).
@@ -180,15 +243,17 @@ class SendOp : public AsyncOpKernel {
     // (see the collective op's callback, collective_ops.cc).
     Tensor keep = input;
     bool dynamic = dynamic_;
+    tensorflow::CancellationToken token = WatchCancellation(ctx, &ticket);
     engine->Schedule(
-        [this, ctx, done, ticket, keep, meta, dynamic, engine,
-         nbytes]() mutable {
+        [this, ctx, done, ticket, keep, meta, dynamic, engine, nbytes,
+         token]() mutable {
           const void* data = keep.tensor_data().data();
           Status s = dynamic ? engine->FinishSendDynamic(ticket, data, meta)
                              : engine->FinishSend(ticket, data);
+          StopWatching(ctx, token);
           TraceOp(trace::kSend, spec_, ticket.traced_since, ticket.step,
                   ticket.call, nbytes);
-          ctx->SetStatus(ToTf(s));
+          ctx->SetStatus(ForCoordinator(spec_, ToTf(s)));
           keep = Tensor();
           done();
         });
@@ -225,14 +290,17 @@ class RecvOp : public AsyncOpKernel {
       done();
       return;
     }
+    tensorflow::CancellationToken token = WatchCancellation(ctx, &ticket);
     engine->WaitRecvAsync(
-        ticket, [this, ctx, done](const Status& s, const RecvTicket& t) {
+        ticket,
+        [this, ctx, done, token](const Status& s, const RecvTicket& t) {
+          StopWatching(ctx, token);
           if (s.ok()) {
             Emit(ctx, t);
           } else {
             TraceOp(trace::kRecv, spec_, t.traced_since, t.step, t.call,
                     spec_.nbytes);
-            ctx->SetStatus(ToTf(s));
+            ctx->SetStatus(ForCoordinator(spec_, ToTf(s)));
           }
           done();
         });
@@ -296,6 +364,11 @@ REGISTER_OP("TfRdmaSend")
     .Attr("T: " TF_RDMA_TYPES)
     TF_RDMA_SLOT_ATTRS
     .SetIsStateful()
+    // Its Unavailable (a dead peer) reaches the caller as Unavailable, not
+    // turned into Internal as a non-communication op's would be: a
+    // ClusterCoordinator tells worker from ps failures by it
+    // (docs/reliability.md).
+    .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
       tensorflow::shape_inference::ShapeHandle planned, merged;
       TF_RETURN_IF_ERROR(PlannedShape(c, &planned));
@@ -320,6 +393,7 @@ REGISTER_OP("TfRdmaRecv")
     .Attr("dtype: " TF_RDMA_TYPES)
     TF_RDMA_SLOT_ATTRS
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // as TfRdmaSend's
     .SetShapeFn([](InferenceContext* c) {
       tensorflow::shape_inference::ShapeHandle planned;
       TF_RETURN_IF_ERROR(PlannedShape(c, &planned));

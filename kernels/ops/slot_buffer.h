@@ -19,8 +19,14 @@ class SlotBuffer : public tensorflow::TensorBuffer {
   SlotBuffer(const RecvTicket& ticket, size_t nbytes)
       : tensorflow::TensorBuffer(ticket.payload),
         ticket_(ticket),
-        nbytes_(nbytes) {}
-  ~SlotBuffer() override { Engine::Get()->Release(ticket_); }
+        nbytes_(nbytes) {
+    // A released region is not unmapped while this tensor aliases it.
+    Engine::HoldRegion(ticket_, 1);
+  }
+  ~SlotBuffer() override {
+    Engine::Get()->Release(ticket_);
+    Engine::HoldRegion(ticket_, -1);
+  }
 
   size_t size() const override { return nbytes_; }
   tensorflow::TensorBuffer* root_buffer() override { return this; }

@@ -25,6 +25,8 @@ inline absl::Status ToTf(const Status& s) {
       return absl::InternalError(s.message());
     case Code::kResourceExhausted:
       return absl::ResourceExhaustedError(s.message());
+    case Code::kCancelled:
+      return absl::CancelledError(s.message());
   }
   return absl::UnknownError(s.message());
 }

@@ -143,6 +143,7 @@ const char* CodeName(tf_rdma::Code c) {
     case Code::kPermissionDenied: return "PermissionDenied";
     case Code::kInternal: return "Internal";
     case Code::kResourceExhausted: return "ResourceExhausted";
+    case Code::kCancelled: return "Cancelled";
   }
   return "Code(?)";
 }
