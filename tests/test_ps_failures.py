@@ -11,14 +11,10 @@ failures").
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import base_env, shm_segments
-from tf_rdma import cluster as cluster_lib
+from conftest import LiveCluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -198,81 +194,34 @@ os._exit(0)   # the coordinator's threads may wait for the dead task
 """
 
 
-def start_cluster(workers, ps, env):
-    """Starts the tf_rdma servers of a PSS cluster (plus a chief address for
-    the coordinator); returns (cluster, {task: Popen})."""
-    ports = cluster_lib.free_ports(workers + ps + 1)
-    addresses = [f"127.0.0.1:{p}" for p in ports]
-    cluster = {"worker": addresses[:workers], "ps": addresses[workers:-1],
-               "chief": addresses[-1:]}
-    procs = {}
-    for job in ("worker", "ps"):
-        for i in range(len(cluster[job])):
-            e = dict(env, TF_CONFIG=json.dumps(
-                {"cluster": cluster, "task": {"type": job, "index": i}}))
-            procs[f"{job}:{i}"] = subprocess.Popen(
-                [sys.executable, "-m", "tf_rdma.server"], env=e,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True)
-    for task, p in procs.items():
-        deadline = time.monotonic() + 90
-        line = ""
-        while time.monotonic() < deadline and "ready" not in line:
-            line = p.stdout.readline()
-            if not line and p.poll() is not None:
-                err = p.stderr.read()[-3000:]
-                stop(procs)
-                pytest.fail(f"{task} died: {err}")
-        assert "tf_rdma server ready" in line, line
-    return cluster, procs
-
-
-def stop(procs):
-    """SIGKILLs what is left of the servers; returns their stderr tails."""
-    logs = {}
-    for task, p in procs.items():
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            _, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            err = ""
-        logs[task] = (err or "")[-4000:]
-    return logs
-
-
 def run_coordinator(scenario, mode, transport, tmp_path, workers=2, ps=1,
                     timeout=200, restart=False):
-    """Runs COORDINATOR against a fresh cluster; returns (RESULT, server logs)."""
-    env = base_env({"TF_RDMA_TRANSPORT": transport, "TF_RDMA_TIMEOUT": "10"})
-    cluster, procs = start_cluster(workers, ps, env)
-    pid_file = tmp_path / f"restarted-{scenario}-{mode}-{transport}.pid"
-    coordinator_env = dict(
-        env, SCENARIO=scenario, MODE=mode, RESTARTED_PID_FILE=str(pid_file),
-        RESTART="1" if restart else "0",
-        SERVER_PIDS=json.dumps({t: p.pid for t, p in procs.items()}),
-        TF_CONFIG=json.dumps({"cluster": cluster,
-                              "task": {"type": "chief", "index": 0}}))
+    """Runs COORDINATOR against a fresh cluster; returns (RESULT, logs).
+
+    ``logs`` maps each server's name (``"ps0"``, ...) and ``"coordinator"``
+    to the tail of its stderr.
+    """
+    log_dir = tmp_path / f"{scenario}-{mode}-{transport}"
+    log_dir.mkdir()
+    cluster = LiveCluster({"worker": workers, "ps": ps}, str(log_dir),
+                          env={"TF_RDMA_TRANSPORT": transport}, op_timeout=10,
+                          coordinator=True)
+    cluster.start()
+    pid_file = log_dir / "restarted.pid"
+    pids = {f"{job}:{name[len(job):]}": p.pid for name, p in cluster.procs.items()
+            for job in ("worker", "ps") if name.startswith(job)}
     try:
-        proc = subprocess.run([sys.executable, "-c", COORDINATOR],
-                              env=coordinator_env, capture_output=True,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        proc = None
-        timed_out = e
+        proc, results = cluster.run_client(COORDINATOR, timeout=timeout, env={
+            "SCENARIO": scenario, "MODE": mode, "RESTARTED_PID_FILE": str(pid_file),
+            "RESTART": "1" if restart else "0", "SERVER_PIDS": json.dumps(pids)})
     finally:
-        if pid_file.exists():
-            restarted = int(pid_file.read_text())
-            procs["worker:1 (restarted)"] = _Pid(restarted)
-        logs = stop(procs)
-    if proc is None:
-        pytest.fail(f"coordinator did not finish within {timeout} s: "
-                    f"{(timed_out.stderr or b'')[-3000:]}\n" +
-                    "\n".join(f"--- {t}\n{l}" for t, l in logs.items()))
-    results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines()
-               if l.startswith("RESULT ")]
+        if pid_file.exists():  # the worker the coordinator started again
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        cluster.stop()
+    logs = {name: text[-4000:] for name, text in _server_logs(cluster).items()}
     if proc.returncode != 0 or not results:
         pytest.fail(f"coordinator failed ({proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}\n" +
@@ -281,21 +230,12 @@ def run_coordinator(scenario, mode, transport, tmp_path, workers=2, ps=1,
     return results[-1], logs
 
 
-class _Pid:
-    """A process the coordinator started (the restarted worker), for stop()."""
-
-    def __init__(self, pid):
-        self.pid = pid
-
-    def communicate(self, timeout=None):
-        deadline = time.monotonic() + (timeout or 0)
-        while time.monotonic() < deadline:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        return "", ""
+def _server_logs(cluster):
+    logs = {}
+    for name in cluster.procs:
+        with open(os.path.join(cluster.log_dir, name + ".err")) as f:
+            logs[name] = f.read()
+    return logs
 
 
 # The restart runs over shm only: over tcp the coordinator's first calls
@@ -319,10 +259,10 @@ def test_worker_killed_then_restarted(transport, tmp_path):
     assert out["join_after_kill_s"] < 60, out
     # ... and the ps released what it held for it, at once.
     assert len(out["ps_regions_before"]) == 2, out  # its data + our credits
-    assert out["ps_regions_after"] == [], (out, logs["ps:0"])
+    assert out["ps_regions_after"] == [], (out, logs["ps0"])
     assert out["released_after_s"] < 5, out
     assert out["ps_segments_after"] == out["ps_segments_before"] - 2, out
-    assert "released region" in logs["ps:0"], logs["ps:0"]
+    assert "released region" in logs["ps0"], logs["ps0"]
     if not restart:
         return
     # 2. Restarted: it gets steps again, through tf_rdma, and the ps has
@@ -331,7 +271,7 @@ def test_worker_killed_then_restarted(transport, tmp_path):
     assert out["restarted_moved"]["writes"] > 0, out
     assert out["restarted_moved"]["receives"] > 0, out
     assert len(out["ps_regions_restarted"]) == 2, out
-    assert "does not resume transfers" not in logs["ps:0"], logs["ps:0"]
+    assert "does not resume transfers" not in logs["ps0"], logs["ps0"]
     assert all(x == x for x in out["after_restart"]), out  # no NaN
 
 
