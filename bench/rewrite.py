@@ -53,7 +53,7 @@ import time
 from _harness.children import (REPO, emit_result, launch_command,
                                launch_env, run_child)
 from _harness.report import (Run, loadavg, print_table, result_entry,
-                             verdict, write_json)
+                             verdict)
 from _harness.units import MiB, human_time
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -413,8 +413,7 @@ def orchestrate(args):
                   "loadavg_after": load_per_part,
                   "loadavg_end": run.load_end,
                   "elapsed_s": round(run.elapsed_s, 1)}
-        write_json(args.json, run.document(config, results))
-        print(f"wrote {args.json}")
+        run.save(args.json, config, results)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
