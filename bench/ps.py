@@ -903,7 +903,10 @@ def orchestrate(args):
     print("steps/s: all workers together, the median window; % ceiling = "
           "ceiling step / tf_rdma step; busy: CPUs the cluster's processes "
           "used (grpc/tf_rdma/ceiling), others: CPUs other work used")
-    print_report(rows)
+    if rows:
+        print_report(rows)
+    else:
+        print("no results: no cluster shape finished")
     print()
     checks = []
     for key, row in rows.items():
