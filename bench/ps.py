@@ -531,10 +531,7 @@ def _moved(tf_rdma_report, tasks):
 
 def _measure_model(name, model, ctx, args):
     """Warms up and times the three systems on one model; its report."""
-    tf, np, strategy, coordinator = (ctx["tf"], ctx["np"], ctx["strategy"],
-                                     ctx["coordinator"])
-    import tf_rdma
-
+    tf, strategy, coordinator = ctx["tf"], ctx["strategy"], ctx["coordinator"]
     workers = ctx["workers"]
     params = {GRPC: model.build(strategy, False),
               RDMA: model.build(strategy, False),
@@ -547,7 +544,7 @@ def _measure_model(name, model, ctx, args):
         return step
 
     steps = {GRPC: make_step(params[GRPC]),
-             RDMA: tf_rdma.rewrite(make_step(params[RDMA]), name=f"{name}_step"),
+             RDMA: ctx["rewrite"](make_step(params[RDMA]), name=f"{name}_step"),
              CEILING: make_step(params[CEILING])}
     losses = {s: [] for s in SYSTEMS}
     next_step = {s: 0 for s in SYSTEMS}
@@ -573,6 +570,13 @@ def _measure_model(name, model, ctx, args):
     for system in SYSTEMS:
         t0 = time.perf_counter()
         run(system, warm)
+        if system == RDMA:
+            # A worker the coordinator gave no step would trace its plan in
+            # a timed window: more steps until every worker has one.
+            for _ in range(5):
+                if len(steps[RDMA].plans) >= workers:
+                    break
+                run(system, workers)
         warm_s[system] = time.perf_counter() - t0
     per_step = max(run(system, 2 * workers) / (2 * workers)
                    for system in SYSTEMS)
@@ -580,6 +584,7 @@ def _measure_model(name, model, ctx, args):
     log(f"  {name}: warm-up {', '.join(f'{s} {warm_s[s]:.1f} s' for s in SYSTEMS)}"
         f"; windows of {n} steps (slowest {human_time(per_step)}/step)")
 
+    warmed = dict(next_step)
     tasks = _tasks(ctx["cluster"])
     before = _moved(ctx["report"], tasks)
     windows = {s: [] for s in SYSTEMS}
@@ -608,7 +613,7 @@ def _measure_model(name, model, ctx, args):
     comparable = workers == 1
     out = {"model": name, "describe": model.describe,
            "sizes": model.sizes, "weight_bytes": params[GRPC].nbytes,
-           "window_steps": n, "warmup_steps": warm + 2 * workers,
+           "window_steps": n, "warmup_steps": warmed,
            "warmup_s": {s: round(v, 2) for s, v in warm_s.items()},
            "plan_bytes_per_step": plan_bytes,
            "plans": len(plans),
@@ -635,6 +640,7 @@ def client(args):
     import numpy as np
     import tensorflow as tf
 
+    import tf_rdma
     from tf_rdma import measured
 
     cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
@@ -645,7 +651,7 @@ def client(args):
         resolver, variable_partitioner=partitioner)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
         strategy)
-    ctx = {"tf": tf, "np": np, "strategy": strategy,
+    ctx = {"tf": tf, "rewrite": tf_rdma.rewrite, "strategy": strategy,
            "coordinator": coordinator, "cluster": cluster,
            "workers": workers, "report": measured.task_report,
            "cpu": _ClusterCPU()}
