@@ -160,7 +160,7 @@ from _harness.children import (REPO, add_bind_argument, add_local_cluster,
                                add_process_arguments, make_tf_rdma_job,
                                run_processes, work_dir, worker_env)
 from _harness.report import (Run, print_table, result_entry, save_json,
-                             slowest_rank, verdict, write_json)
+                             slowest_rank, verdict)
 from _harness.units import KiB, MiB, human_size, human_time, parse_size
 from _harness.worker import (MWMS, group_cluster, mwms_ring,
                              set_tf_config)
@@ -1738,9 +1738,7 @@ def orchestrate(args):
                   "floor_block": args.floor_block,
                   "dispatch": DISPATCH_DEFINITION,
                   **run.timing()}
-        write_json(args.json, run.document(config, results,
-                                           checks=verdicts))
-        print(f"wrote {args.json}")
+        run.save(args.json, config, results, checks=verdicts)
     return 1 if failed or errors else 0
 
 

@@ -99,8 +99,7 @@ import time
 
 from _harness import nic
 from _harness.children import child_env, emit_result, run_child
-from _harness.report import (Run, print_table, result_entry, verdict,
-                             write_json)
+from _harness.report import Run, print_table, result_entry, verdict
 from _harness.socket_chain import measure_socket_chain
 from _harness.units import KiB, MiB, human_size, human_time, parse_size
 
@@ -1012,11 +1011,8 @@ def orchestrate(args):
                                        "buffer a side",
                   "verbs_nic": verbs_nic,
                   **run.timing()}
-        write_json(args.json, run.document(config, results,
-                                           marginal_hops=marginals,
-                                           hop_floor=hop_floor,
-                                           hop_split=split))
-        print(f"wrote {args.json}")
+        run.save(args.json, config, results, marginal_hops=marginals,
+                 hop_floor=hop_floor, hop_split=split)
     if failed:
         print(f"FAILED: the {', '.join(failed)} cluster run(s) gave no "
               f"results", file=sys.stderr)

@@ -50,9 +50,10 @@ import sys
 import tempfile
 import time
 
-from _harness.children import REPO, child_env, emit_result, run_child
+from _harness.children import (REPO, emit_result, launch_command,
+                               launch_env, run_child)
 from _harness.report import (Run, loadavg, print_table, result_entry,
-                             verdict, write_json)
+                             verdict)
 from _harness.units import MiB, human_time
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -236,37 +237,26 @@ def plan_client(args):
 # --- the orchestrator ---
 
 
-def _child_env(transport=None):
-    """The children's environment: no TF_CONFIG of the caller's, the
-    servers on ``transport`` when given, TensorFlow's INFO logs off."""
-    env = child_env()
-    env.pop("TF_CONFIG", None)
-    if transport:
-        env["TF_RDMA_TRANSPORT"] = transport
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
 def run_plan(args):
     log(f"plan: a synthetic {args.nodes}-node graph, analyze + rewrite_graph, "
         f"{args.plan_runs} runs")
     cmd = [sys.executable, os.path.abspath(__file__), "--plan-client",
            "--nodes", str(args.nodes), "--plan-runs", str(args.plan_runs)]
-    _, out = run_child("plan", cmd, _child_env(), timeout=args.timeout,
+    _, out = run_child("plan", cmd, launch_env(), timeout=args.timeout,
                        verbose=args.verbose, log=log, log_prefix=LOG_PREFIX,
                        result_prefix=RESULT_PREFIX)
     return out
 
 
 EXAMPLE_RUNS = {
-    # op: (script, launch arguments, tasks)
-    "ps": ("ps_training.py", ["-n", "1", "--ps", "1"], 2),
-    "mp": ("model_parallel.py", ["-n", "2"], 2),
+    # op: (script, (workers, ps tasks), tasks)
+    "ps": ("ps_training.py", (1, 1), 2),
+    "mp": ("model_parallel.py", (2, 0), 2),
 }
 
 
 def run_example(kind, args):
-    script, launch_args, tasks = EXAMPLE_RUNS[kind]
+    script, (workers, ps), tasks = EXAMPLE_RUNS[kind]
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)[kind]
     op = f"{kind}-step"
     with tempfile.TemporaryDirectory(prefix="tf_rdma_bench_") as tmp:
@@ -278,13 +268,13 @@ def run_example(kind, args):
             client += ["--hidden"] + [str(h) for h in args.ps_hidden]
         if kind == "ps" and args.ps_batch:
             client += ["--batch", str(args.ps_batch)]
-        cmd = [sys.executable, "-m", "tf_rdma.cli", "launch"] + launch_args
-        cmd += ["--timeout-start", str(int(args.timeout)), "--"] + client
+        cmd = launch_command(client, workers, ps=ps,
+                             timeout_start=args.timeout)
         log(f"{op}: {script}, {steps} steps, in a "
-            f"`tf-rdma launch {' '.join(launch_args)}` cluster "
+            f"`tf-rdma launch -n {workers}{f' --ps {ps}' if ps else ''}` cluster "
             f"(TF_RDMA_TRANSPORT={args.transport})")
         t0 = time.perf_counter()
-        status, _ = run_child(op, cmd, _child_env(args.transport),
+        status, _ = run_child(op, cmd, launch_env(args.transport),
                               timeout=args.timeout, verbose=args.verbose,
                               log=log, log_prefix=LOG_PREFIX)
         try:
@@ -423,8 +413,7 @@ def orchestrate(args):
                   "loadavg_after": load_per_part,
                   "loadavg_end": run.load_end,
                   "elapsed_s": round(run.elapsed_s, 1)}
-        write_json(args.json, run.document(config, results))
-        print(f"wrote {args.json}")
+        run.save(args.json, config, results)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

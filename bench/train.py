@@ -90,7 +90,7 @@ from _harness.children import (add_bind_argument, add_local_cluster,
                                make_tf_rdma_job, run_processes, work_dir,
                                worker_env)
 from _harness.report import (Run, print_table, result_entry, save_json,
-                             slowest_rank, verdict, write_json)
+                             slowest_rank, verdict)
 from _harness.units import human_time
 from _harness.worker import (MWMS, group_cluster, mwms_ring,
                              set_tf_config)
@@ -633,8 +633,7 @@ def orchestrate(args):
                   "target_scaling": TARGET_SCALING,
                   "skipped": skipped, "failed": failed,
                   **run.timing()}
-        write_json(args.json, run.document(config, results))
-        print(f"wrote {args.json}")
+        run.save(args.json, config, results)
     return 1 if failed else 0
 
 

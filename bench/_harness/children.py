@@ -45,6 +45,40 @@ def child_env():
     return env
 
 
+def launch_env(transport=None):
+    """``child_env()`` for a child with a cluster of its own, or none.
+
+    Without the caller's TF_CONFIG (``tf-rdma launch`` gives its servers
+    and its command their own), the servers on ``transport`` when given,
+    and TensorFlow's INFO logs off unless set.
+    """
+    env = child_env()
+    env.pop("TF_CONFIG", None)
+    if transport:
+        env["TF_RDMA_TRANSPORT"] = transport
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def launch_command(client, workers, ps=0, coordinator=False, bind=None,
+                   timeout_start=None):
+    """The command line that runs ``client`` in a local ``tf-rdma launch``
+    cluster of ``workers`` workers and ``ps`` ps tasks (with
+    ``coordinator``, as a ParameterServerStrategy coordinator; ``bind``:
+    the launcher's ``--bind``; ``timeout_start``: seconds the servers may
+    take to start)."""
+    cmd = [sys.executable, "-m", "tf_rdma.cli", "launch", "-n", str(workers)]
+    if ps:
+        cmd += ["--ps", str(ps)]
+    if coordinator:
+        cmd.append("--coordinator")
+    if bind:
+        cmd += ["--bind", bind]
+    if timeout_start:
+        cmd += ["--timeout-start", str(int(timeout_start))]
+    return cmd + ["--"] + list(client)
+
+
 # --- one child: a client, with its progress and its result line ---
 
 

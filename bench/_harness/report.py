@@ -134,6 +134,11 @@ class Run:
                 "machine": self.machine, "config": config,
                 "results": results, **more}
 
+    def save(self, path, config, results, **more):
+        """Writes the run's :meth:`document` to ``path`` and says so."""
+        write_json(path, self.document(config, results, **more))
+        print(f"wrote {path}")
+
 
 def result_entry(system, op, size, times, P, **extra):
     """One entry of ``results``: median and min of the timed samples.
