@@ -1,7 +1,7 @@
 """The training examples, end to end, under the real launcher.
 
 ``examples/ps_training.py`` (1 worker, 1 ps), ``examples/ps_strategy.py``
-(2 workers, 1 ps, the command as ParameterServerStrategy's coordinator) and
+(1 worker, 1 ps, the command as ParameterServerStrategy's coordinator) and
 ``examples/model_parallel.py`` (2 workers) run in their ``--quick`` mode, each under
 ``python -m tf_rdma.cli launch``: real servers, a real client, the real
 ``@tf_rdma.rewrite``. Each trains the same model twice from the same weights,
@@ -42,7 +42,8 @@ EXAMPLES = {
     # name: (launch arguments, script, extra example arguments)
     "ps": (["-n", "1", "--ps", "1"], "examples/ps_training.py", []),
     "mp": (["-n", "2"], "examples/model_parallel.py", []),
-    "pss": (["-n", "2", "--ps", "1", "--coordinator"], "examples/ps_strategy.py", []),
+    # Two tasks: where the machine has two CPUs, each is bound to one.
+    "pss": (["-n", "1", "--ps", "1", "--coordinator"], "examples/ps_strategy.py", []),
 }
 
 
@@ -206,12 +207,13 @@ def test_model_parallel(runs):
 
 def test_ps_strategy(runs):
     """The launcher's --coordinator: TF_CONFIG names chief:0 in a cluster
-    with a chief; the example's plain and rewritten steps agree."""
+    with a chief, and a task bound to one CPU still runs PSS steps (two
+    inter-op threads); the example's plain and rewritten steps agree."""
     run = runs["pss"]
     doc = _finished(run)
     assert doc["ok"] and doc["losses_identical"], run.describe()
     assert doc["workers_traced"], run.describe()
-    assert set(doc["workers_traced"]) <= {"/job:worker/task:0", "/job:worker/task:1"}
+    assert doc["workers_traced"] == ["/job:worker/task:0"], doc
     assert all(doc["bytes_sent"][w] > 0 for w in doc["workers_traced"]), doc
     assert "bit-identical at all" in run.stdout
 

@@ -91,7 +91,9 @@ SIGTERM, the command and the servers are stopped (SIGTERM, then SIGKILL after
 With --coordinator, CMD is the coordinator of TensorFlow's
 ParameterServerStrategy: the cluster also has a task "chief" for it (CMD's
 own TensorFlow server), and CMD's TF_CONFIG names that task, as
-TFConfigClusterResolver expects.
+TFConfigClusterResolver expects. A task bound to a single CPU then gets
+TF_NUM_INTEROP_THREADS=2 (unless set): with one inter-op thread, as
+TensorFlow sizes it to one CPU, a ParameterServerStrategy step never ends.
 
 With --spmd, runs CMD itself once per worker task instead (no servers): each
 copy gets TF_CONFIG with its own "task", as tf_rdma.distribute.RdmaStrategy
@@ -723,6 +725,11 @@ class _Launcher:
             env["TF_CONFIG"] = json.dumps(
                 {"cluster": self.cluster, "task": {"type": server.job, "index": server.index}}
             )
+            if self.command_task and shares and len(shares[i]) == 1:
+                # TensorFlow sizes a task's inter-op pool to its CPUs, and with
+                # one inter-op thread a ParameterServerStrategy step never ends
+                # (TensorFlow 2.21, with or without tf_rdma); a user's value stands.
+                env.setdefault("TF_NUM_INTEROP_THREADS", "2")
             argv = [
                 sys.executable,
                 "-m",
