@@ -60,10 +60,12 @@ def outcome(request, tmp_path_factory):
                                 CASES[transport], tmp_path_factory)
 
 
+# The cases that run on shm only (the data path of the others is the same).
+on_shm = pytest.mark.parametrize("outcome", ["shm"], indirect=True)
+
+
 def case_of(outcome, name):
-    transport, by_case = outcome
-    if name not in CASES[transport]:
-        pytest.skip(f"{name} runs on shm only (the data path is the same)")
+    _, by_case = outcome
     run = by_case["_run"]
     assert name in by_case, (
         f"no RESULT for {name} (coordinator exited {run['returncode']}):\n"
@@ -88,24 +90,31 @@ def check_sync(found):
     assert found["kept"] == [], found["kept"]
 
 
-@pytest.mark.parametrize("name", ["mlp", "keras_adam"])
-def test_sync_steps_equal_plain_ps_strategy(outcome, name):
-    found = case_of(outcome, name)
-    check_sync(found)
-    # Every planned byte moved through tf_rdma, nothing else did: each step
-    # moved its caller's plan (the plans of the workers are the same size).
+def check_moved_as_planned(found):
+    """Every planned byte moved through tf_rdma, nothing else did: each step
+    moved its caller's plan (the plans of the workers are the same size)."""
     sizes = set(found["planned_bytes_per_step"].values())
     assert len(sizes) == 1 and sizes.pop() > 0
     per_step = next(iter(found["planned_bytes_per_step"].values()))
     assert sum(found["sent"].values()) == found["steps"] * per_step, found["sent"]
 
 
-def test_keras_optimizer_slots_live_on_the_ps(outcome):
+def test_sync_mlp_equals_plain_ps_strategy(outcome):
+    found = case_of(outcome, "mlp")
+    check_sync(found)
+    check_moved_as_planned(found)
+
+
+@on_shm
+def test_sync_keras_adam_equals_plain_with_slots_on_the_ps(outcome):
     found = case_of(outcome, "keras_adam")
+    check_sync(found)
+    check_moved_as_planned(found)
     assert found["variable_devices"], found
     assert all("/job:ps/" in d for d in found["variable_devices"]), found
 
 
+@on_shm
 @pytest.mark.parametrize("name", ["sharded_fixed", "sharded_min_size"])
 def test_sharded_variables_and_embedding_equal_plain(outcome, name):
     found = case_of(outcome, name)
@@ -122,6 +131,7 @@ def test_sharded_variables_and_embedding_equal_plain(outcome, name):
     assert found["table_bytes"] >= 100 * row_traffic, found
 
 
+@on_shm
 def test_keras2_fit_runs_its_steps_through_tf_rdma(outcome):
     found = case_of(outcome, "keras_fit")
     assert found["rewritten"], found
