@@ -187,11 +187,11 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
       s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
                                  &region);
     }
-    // A matched-call region lives as long as its writer's connection
-    // (peers.cc): opened again on another one, it starts afresh.
-    if (s.ok() && region->opened && region->writer != conn &&
-        MatchedRegion(name.substr(0, name.find('#')))) {
-      if (region->writer && !region->writer->gone.load()) {
+    // Another live connection writing into the region: the same process's
+    // old one is replaced (it reconnected), anyone else's is refused.
+    auto take_over_from_writer = [&]() {
+      if (region->writer && region->writer != conn &&
+          !region->writer->gone.load()) {
         if (region->writer->peer == conn->peer &&
             region->writer->incarnation == conn->incarnation) {
           replaced = region->writer;
@@ -200,6 +200,12 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                                  "' already has a connected writer");
         }
       }
+    };
+    // A matched-call region lives as long as its writer's connection
+    // (peers.cc): opened again on another one, it starts afresh.
+    if (s.ok() && region->opened && region->writer != conn &&
+        MatchedRegion(name.substr(0, name.find('#')))) {
+      take_over_from_writer();
       if (s.ok()) {
         RetireRegionLocked(region, conn->peer + " opened it again on a new "
                                    "connection");
@@ -217,16 +223,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     if (s.ok() && !region->refusal.empty()) {
       s = FailedPrecondition(region->refusal);
     }
-    if (s.ok() && region->writer && region->writer != conn &&
-        !region->writer->gone.load()) {
-      if (region->writer->peer == conn->peer &&
-          region->writer->incarnation == conn->incarnation) {
-        replaced = region->writer;
-      } else {
-        s = FailedPrecondition("region '" + Printable(name) +
-                               "' already has a connected writer");
-      }
-    }
+    if (s.ok()) take_over_from_writer();
     if (s.ok() && region->writer != conn) {
       RegionDescriptor credits = DecodeDescriptor(f, "credit_");
       credits.id = request.credit_id;
