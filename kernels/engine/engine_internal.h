@@ -136,6 +136,18 @@ struct SendSlot {
   int payload_handle = -1;
 };
 
+// Whether a send slot's `credits` may be read (caller holds slot.mu). A slot
+// stays bound to a lost connection until its next send binds it again
+// (BindSendSlot, which then names the loss), while the credit region of a
+// matched-call region is unmapped a timeout after that connection ended
+// (peers.cc, "Releasing a peer's regions"): past the loss, its words are
+// not read.
+inline bool CreditsMapped(const SendSlot& slot) {
+  return slot.bound.load(std::memory_order_acquire) &&
+         slot.credits != nullptr && slot.conn != nullptr &&
+         !slot.conn->gone.load(std::memory_order_acquire);
+}
+
 // A peer's data region that this process writes into, and the credit region
 // here that the peer writes back into: opened with one OPEN request, shared by
 // every slot in it.

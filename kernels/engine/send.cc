@@ -230,7 +230,7 @@ bool Engine::SendProgress(const SlotSpec& spec, uint64_t* written,
     slot = it->second.get();
   }
   std::lock_guard<std::mutex> lock(slot->mu);
-  if (slot->credits == nullptr) return false;
+  if (!CreditsMapped(*slot)) return false;
   *written = slot->steps.claimed;
   *released = 0;
   for (int64_t c = 0; c < slot->spec.depth; ++c) {
@@ -248,6 +248,7 @@ bool Engine::CreditReady(const SendTicket& ticket) const {
   const SlotSpec& spec = slot->spec;
   if (spec.match_calls) {
     std::lock_guard<std::mutex> lock(slot->mu);
+    if (!CreditsMapped(*slot)) return false;  // the send binds it again
     for (int64_t c = 0; c < spec.depth; ++c) {
       if (!slot->busy[c] &&
           CreditWord(slot->credits, spec, c)->load(std::memory_order_acquire) >=

@@ -384,10 +384,10 @@ std::string Engine::LocalFacts(const StallWait& w) {
   if (w.kind == StallWait::kConnect) {
     return "this side is connected to it and waits for its answer";
   }
-  if (!slot->bound.load(std::memory_order_acquire) ||
-      slot->credits == nullptr) {
-    return "this side has not connected to it";
-  }
+  // A send that is binding the slot holds its lock while it dials.
+  std::unique_lock<std::mutex> slot_lock(slot->mu, std::try_to_lock);
+  if (!slot_lock.owns_lock()) return "this side is connecting to it";
+  if (!CreditsMapped(*slot)) return "this side has not connected to it";
   uint64_t released = 0;
   for (int64_t c = 0; c < spec.depth; ++c) {
     released = std::max<uint64_t>(
