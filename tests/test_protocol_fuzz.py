@@ -9,13 +9,16 @@ sends a seeded, bounded stream of mutated frames: WRITEs with offsets,
 lengths and notice words around every bound and near 2^64, to region ids it
 was never given (another writer's, id + 2^32, random 64-bit ones), with
 bodies cut short; OPEN requests with sizes and ids near their bounds, names
-of 1024/1025 bytes, bodies of 64 KiB and one byte more, junk fields; OPEN
-replies nobody asked for, ERROR frames, unknown types, bad magic, random
-headers, headers cut short.
+of 1024/1025 bytes, bodies of 64 KiB and one byte more, junk fields; QUERY
+frames with junk fields and bodies; OPEN replies nobody asked for, ERROR
+frames, unknown types, bad magic, random headers, headers cut short; and the
+endpoint's own QUERY (its clock offsets ask every connected peer) answered
+with a frame of another type or another request's id.
 
 Every frame's fate is predicted from the documented bounds (kernels/common/
-wire.h): a WRITE the endpoint must take keeps the connection, anything it
-must refuse closes it (the fuzzer then reconnects and opens its regions
+wire.h): a WRITE the endpoint must take keeps the connection, a QUERY is
+answered on it, anything it must refuse closes it (a wrong answer to its own
+question also ends that question at once) (the fuzzer then reconnects and opens its regions
 again). Every byte a taken WRITE carries is a function of its position in
 the region (payload and notice word alike), and every refused frame carries
 0xEE bytes, so after the run each canary region must hold, byte for byte:
@@ -33,8 +36,8 @@ import pytest
 
 import wire_client
 from conftest import make_cluster
-from wire_client import (ERROR, HEADER, MAGIC, OPEN_REPLY, OPEN_REQUEST, QUERY_REPLY,
-                         WRITE, closed_within, encode_fields, header)
+from wire_client import (ERROR, HEADER, MAGIC, OPEN_REPLY, OPEN_REQUEST, QUERY,
+                         QUERY_REPLY, WRITE, closed_within, encode_fields, header)
 from tf_rdma.graph_passes import plan as plan_lib
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,6 +52,7 @@ MAX_BODY = 64 * 1024  # kMaxBodyBytes
 MAX_NAME = 1024  # kMaxRegionNameBytes
 NOTICE_ZONE = 256  # the last bytes of each canary region take the notices
 U64 = 2**64
+INVALID_ARGUMENT = 1  # status.h: an unknown query
 
 PLAN = plan_lib.Plan([
     plan_lib.Transfer("legit", LEGIT_WRITER, READER, "float32", [16]),
@@ -321,9 +325,61 @@ class Fuzzer:
         del peer
         self.expect_closed(who, data)
 
+    def query_frame(self):
+        """A QUERY with junk fields or a junk body: answered (an error for
+        what the endpoint does not know), and the connection goes on."""
+        r = self.rng
+        who = r.choice([self.a, self.b])
+        peer = who.connection()
+        kind = r.randrange(3)
+        if kind == 0:
+            fields = {"what": r.choice(["clock", "position", "", "what?" * 50]),
+                      "slot": "x" * r.randrange(300), "side": r.choice(["send", "recv", ""]),
+                      "tensor": str(r.randrange(U64))}
+            frame, request = peer.request_frame(fields, type_=QUERY)
+        else:
+            body = (bytes(r.randrange(256) for _ in range(r.randrange(2000))) if kind == 1
+                    else b"what=clock\n" * r.randrange(1, 5000))
+            request = peer.next_request
+            peer.next_request += 1
+            frame = header(QUERY, a=request, b=len(body)) + body
+        self.note("query_frame", (kind, len(frame)))
+        peer.sock.sendall(frame)
+        code, _ = peer.read_reply(request, QUERY_REPLY)
+        assert code in (0, INVALID_ARGUMENT), code
+        who.sync()
+
+    def answer_query_wrongly(self):
+        """The endpoint's own question answered with a frame of another
+        type or another request's id: that connection closes, and the
+        question ends at once with an error for that peer."""
+        r = self.rng
+        self.b.drop()  # the endpoint asks `a` (and the legitimate writer)
+        peer = self.a.connection()
+        asked = self.live.ask_clock_offsets()
+        (magic, type_, _, request, _, _, _, _), _ = peer.read_frame()
+        assert (magic, type_) == (MAGIC, QUERY), (magic, type_)
+        body = b"received_ns=1\nsent_ns=2\n"
+        kind = r.randrange(4)
+        if kind == 0:
+            data = header(OPEN_REPLY, a=request, b=len(body)) + body
+        elif kind == 1:
+            data = header(QUERY_REPLY, a=request ^ (1 << r.randrange(64)), b=len(body)) + body
+        elif kind == 2:
+            data = header(ERROR, b=len(body)) + body
+        else:
+            data = header(r.choice([0, 7, 255, 65535]), a=request, b=0)
+        self.note("answer_query_wrongly", (kind, data[:8].hex()))
+        peer.send_quietly(data)
+        assert closed_within(peer.sock, 10), "the endpoint took a wrong answer"
+        self.a.drop()
+        answer = self.live.clock_offsets(asked)
+        assert answer["elapsed_s"] < 5, answer
+        assert "error" in answer["offsets"]["peers"][self.a.task], answer
+
     KINDS = [("write_inside", 25), ("write_at_bounds", 20), ("write_wrong_region", 10),
              ("write_cut_short", 5), ("header_cut_short", 3), ("open_mutated", 22),
-             ("control_frame", 15)]
+             ("control_frame", 15), ("query_frame", 5), ("answer_query_wrongly", 2)]
 
     def step(self):
         names, weights = zip(*self.KINDS)

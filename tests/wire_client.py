@@ -176,6 +176,11 @@ class RawPeer:
             self.next_request += 1
         return header(type_, a=request, b=len(body)) + body, request
 
+    def read_frame(self):
+        """Reads one frame; returns (header fields, body bytes)."""
+        fields = HEADER.unpack(self.read_exact(HEADER.size))
+        return fields, self.read_exact(fields[4])
+
     def read_reply(self, request, type_=OPEN_REPLY):
         """Reads one OPEN_REPLY (or QUERY_REPLY); returns (status code, fields
         or error text).
@@ -244,9 +249,13 @@ class RawPeer:
 # The endpoint under attack (PRELUDE first): receives every key of TEST_ONCE
 # once and every key of TEST_LOOP over and over, reporting each tensor as a
 # RESULT line; answers "info.<n>" files in TEST_SYNC_DIR with its
-# endpoint_info(); stops when TEST_STOP_FILE appears.
+# endpoint_info() and "offsets.<n>" files with its clock offsets (which ask
+# every connected peer, QUERY frames, on a thread of their own); stops when
+# TEST_STOP_FILE appears.
 ENDPOINT_PROGRAM = """
+import ctypes
 import threading
+from tf_rdma import _loader
 plan = tf_rdma.Plan.from_json(os.environ["TEST_PLAN"])
 ep = start()
 once = json.loads(os.environ["TEST_ONCE"])
@@ -275,6 +284,13 @@ def receive(key, repeat):
         if not repeat:
             return
 
+def clock_offsets(n):
+    buf = ctypes.create_string_buffer(1 << 16)
+    t0 = time.monotonic()
+    _loader.load().c.tfrdma_clock_offsets(2, 3000, buf, len(buf))
+    emit({"kind": "offsets", "n": n, "elapsed_s": time.monotonic() - t0,
+          "offsets": json.loads(buf.value.decode())})
+
 for k in once + loop:
     threading.Thread(target=receive, args=(k, k in loop), daemon=True).start()
 deadline = time.monotonic() + 90
@@ -288,11 +304,14 @@ info = tf_rdma.endpoint_info()
 emit({"kind": "ready", "port": ep.port, "pid": os.getpid(),
       "transport": info["transport"], "regions": info["region"]})
 stop = os.environ["TEST_STOP_FILE"]
-answered = 0
+answered = asked = 0
 while not os.path.exists(stop):
     if os.path.exists(os.path.join(SYNC_DIR, "info.%d" % (answered + 1))):
         answered += 1
         emit({"kind": "info", "n": answered, "info": tf_rdma.endpoint_info()})
+    if os.path.exists(os.path.join(SYNC_DIR, "offsets.%d" % (asked + 1))):
+        asked += 1
+        threading.Thread(target=clock_offsets, args=(asked,), daemon=True).start()
     time.sleep(0.02)
 ep.close()
 sys.stderr.flush()
@@ -473,7 +492,7 @@ class LiveEndpoint:
         self.loop_key = loop_key
         self.sync_dir = workdir
         self.stop_file = os.path.join(workdir, "stop")
-        self.batches = self.infos = 0
+        self.batches = self.infos = self.offsets_asked = 0
         self.steps_sent = 0
 
         def env(task, extra):
@@ -567,6 +586,20 @@ class LiveEndpoint:
             pass
         return self.endpoint.wait_result(
             lambda r: r["kind"] == "info" and r["n"] == n, timeout)["info"]
+
+    def ask_clock_offsets(self):
+        """Makes the endpoint ask every connected peer for its clock (two
+        QUERY frames each, 3 s apiece); returns a handle for `clock_offsets`."""
+        self.offsets_asked += 1
+        with open(os.path.join(self.sync_dir, f"offsets.{self.offsets_asked}"), "w"):
+            pass
+        return self.offsets_asked
+
+    def clock_offsets(self, n, timeout=20):
+        """The endpoint's answer to ask_clock_offsets `n`: {"elapsed_s",
+        "offsets"}."""
+        return self.endpoint.wait_result(
+            lambda r: r["kind"] == "offsets" and r["n"] == n, timeout)
 
     def fds(self):
         return len(os.listdir(f"/proc/{self.pid}/fd"))

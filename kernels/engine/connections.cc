@@ -403,6 +403,8 @@ Status Engine::Request(const std::shared_ptr<Connection>& conn,
       conn->replies.erase(it);
       const uint16_t expected = type == kQuery ? kQueryReply : kOpenReply;
       if (rh.type != expected) {
+        // CloseConnection takes conn->mu itself.
+        lock.unlock();
         CloseConnection(conn, InvalidArgument(
                                   "reply of frame type " +
                                   std::to_string(rh.type) + " to request " +

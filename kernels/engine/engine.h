@@ -418,7 +418,15 @@ class Engine {
   Status Dial(const std::string& peer, const Deadline& deadline,
               std::shared_ptr<Connection>* out);
   void AcceptLoop();
-  void Handshake(int fd);
+  // Admission (handshake.cc): whether a connection from `source` may start
+  // a handshake now, cutting short another source's oldest one if the
+  // endpoint is full; sets *id, or *busy to why not. Holds handshake_mu_.
+  bool AdmitHandshakeLocked(int fd, const std::string& source, uint64_t* id,
+                            std::string* busy);
+  // Takes handshake `id` out of those admission may cut short; false if it
+  // was cut short already. Before its fd is closed or handed over.
+  bool SettleHandshake(uint64_t id);
+  void Handshake(int fd, uint64_t id);
   void EndHandshake(const std::string& source);
   void ProgressLoop();
   Status AddToProgress(const std::shared_ptr<Connection>& conn);
@@ -660,6 +668,17 @@ class Engine {
   std::mutex handshake_mu_;
   std::atomic<int> handshakes_{0};
   std::map<std::string, int> handshakes_by_source_;
+  // Those whose peer has not proved the secret yet, by admission order:
+  // what admission may cut short (under handshake_mu_).
+  struct PendingHandshake {
+    int fd;
+    std::string source;
+  };
+  std::map<uint64_t, PendingHandshake> pending_handshakes_;
+  uint64_t next_handshake_ = 0;
+  // The numeric addresses of the cluster's hosts, as PeerAddress writes
+  // them ("10.0.0.5", "[fe80::1]"): the sources admission serves first.
+  std::set<std::string> cluster_sources_;
   std::atomic<uint64_t> refused_connections_{0};
   // LogLimited's window.
   std::mutex limited_mu_;

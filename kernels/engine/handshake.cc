@@ -25,14 +25,34 @@
 // Unauthenticated clients are bounded: at most kMaxHandshakes handshakes run
 // at once (kMaxHandshakesPerSource from one address), each on its own thread
 // and within one deadline for the whole exchange, however slowly the client
-// trickles its bytes; connections beyond that are closed at once (a real
-// writer that meets a full endpoint dials again until its deadline). Failing
-// to start a thread (a pids limit) closes that connection, never the
-// process. Rejections are logged with the peer's bytes escaped and cut, at
-// most kLogBurst lines per kLogWindowMs and then one summary line.
+// trickles its bytes. Failing to start a thread (a pids limit) closes that
+// connection, never the process. Rejections are logged with the peer's bytes
+// escaped and cut, at most kLogBurst lines per kLogWindowMs and then one
+// summary line.
+//
+// Admission. A full endpoint must not be held by whoever came first: clients
+// that open connection after connection from a few addresses would hold
+// every slot for good (each for its whole deadline, then again), and a real
+// writer, which dials again until its own deadline, would never get in. So
+// a connection that finds all kMaxHandshakes slots taken cuts short the
+// oldest handshake whose peer has not yet proved the secret (its socket is
+// shut down; a real writer cut short dials again) of the source that holds
+// the most such slots, when
+//   - it comes from a host of the cluster (an address the cluster spec's
+//     hosts resolve to) and that source does not, or
+//   - its own source would then still hold fewer than that one.
+// Otherwise it is closed at once, as is a connection whose source is at its
+// own cap. So a flood from outside the cluster never keeps a cluster peer
+// out, and a flood from a few addresses leaves room for every other address
+// (a fair share). The cost is one pass over at most kMaxHandshakes entries
+// per connection that finds the endpoint full, and a handshake's fd is
+// closed or handed over only after it left the set admission cuts from
+// (SettleHandshake), so a shutdown never reaches a reused descriptor.
 
 #include "kernels/engine/engine.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -42,6 +62,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -116,6 +139,42 @@ std::string HostOf(const std::string& address) {
   return colon == std::string::npos ? address : address.substr(0, colon);
 }
 
+// The addresses `peers` (task -> "host:port") resolve to, written as
+// PeerAddress writes a source: "10.0.0.5", "[fe80::1]", and an IPv4 address
+// also as an IPv4-mapped IPv6 one (a peer reaching a dual-stack socket).
+// A host that does not resolve (yet) adds nothing.
+std::set<std::string> SourcesOf(const std::map<std::string, std::string>& peers) {
+  std::set<std::string> hosts, out;
+  for (const auto& kv : peers) {
+    std::string host;
+    int port;
+    if (SplitHostPort(kv.second, &host, &port).ok()) hosts.insert(host);
+  }
+  for (const std::string& host : hosts) {
+    struct addrinfo hints;
+    std::memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    struct addrinfo* ai = nullptr;
+    if (getaddrinfo(host.c_str(), nullptr, &hints, &ai) != 0) continue;
+    for (struct addrinfo* p = ai; p != nullptr; p = p->ai_next) {
+      char text[INET6_ADDRSTRLEN];
+      if (p->ai_family == AF_INET) {
+        auto* a = reinterpret_cast<sockaddr_in*>(p->ai_addr);
+        inet_ntop(AF_INET, &a->sin_addr, text, sizeof(text));
+        out.insert(text);
+        out.insert("[::ffff:" + std::string(text) + "]");
+      } else if (p->ai_family == AF_INET6) {
+        auto* a = reinterpret_cast<sockaddr_in6*>(p->ai_addr);
+        inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof(text));
+        out.insert("[" + std::string(text) + "]");
+      }
+    }
+    freeaddrinfo(ai);
+  }
+  return out;
+}
+
 }  // namespace
 
 void Engine::LogLimited(const std::string& raw) {
@@ -174,6 +233,12 @@ uint64_t Engine::refused_connections() const {
 
 void Engine::AcceptLoop() {
   Clock::time_point fd_logged{};
+  // Off this thread: a name that does not resolve may take seconds.
+  Schedule([this] {
+    std::set<std::string> sources = SourcesOf(config_.peers);
+    std::lock_guard<std::mutex> lock(handshake_mu_);
+    cluster_sources_ = std::move(sources);
+  });
   while (!stopping_) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
@@ -201,18 +266,10 @@ void Engine::AcceptLoop() {
     std::string from = PeerAddress(fd);
     std::string source = HostOf(from);
     std::string busy;
+    uint64_t id = 0;
     {
       std::lock_guard<std::mutex> lock(handshake_mu_);
-      int& mine = handshakes_by_source_[source];
-      if (handshakes_ >= kMaxHandshakes) {
-        busy = std::to_string(kMaxHandshakes) + " handshakes in progress";
-      } else if (mine >= kMaxHandshakesPerSource) {
-        busy = std::to_string(mine) + " handshakes in progress from " + source;
-      } else {
-        ++handshakes_;
-        ++mine;
-      }
-      if (!busy.empty() && mine == 0) handshakes_by_source_.erase(source);
+      AdmitHandshakeLocked(fd, source, &id, &busy);
     }
     if (!busy.empty()) {
       close(fd);
@@ -222,12 +279,13 @@ void Engine::AcceptLoop() {
       continue;
     }
     try {
-      std::thread([this, fd, source] {
+      std::thread([this, fd, id, source] {
         NameThisThread("tfrdma-auth");
-        Handshake(fd);
+        Handshake(fd, id);
         EndHandshake(source);
       }).detach();
     } catch (const std::system_error& e) {
+      SettleHandshake(id);
       close(fd);
       EndHandshake(source);
       ++refused_connections_;
@@ -238,20 +296,92 @@ void Engine::AcceptLoop() {
   }
 }
 
+bool Engine::AdmitHandshakeLocked(int fd, const std::string& source,
+                                  uint64_t* id, std::string* busy) {
+  int& mine = handshakes_by_source_[source];
+  if (mine >= kMaxHandshakesPerSource) {
+    *busy = std::to_string(mine) + " handshakes in progress from " + source;
+    return false;
+  }
+  if (handshakes_ >= kMaxHandshakes) {
+    // Full: the pending handshakes of the source that holds the most (a
+    // source outside the cluster first, for one inside it).
+    const bool known = cluster_sources_.count(source) > 0;
+    std::map<std::string, int> held;
+    for (const auto& kv : pending_handshakes_) ++held[kv.second.source];
+    std::string victim;
+    int most = 0;
+    bool victim_known = true;
+    for (const auto& kv : held) {
+      if (kv.first == source) continue;
+      bool k = cluster_sources_.count(kv.first) > 0;
+      bool better = known ? (victim_known && !k) || (k == victim_known &&
+                                                     kv.second > most)
+                          : kv.second > most;
+      if (victim.empty() || better) {
+        victim = kv.first;
+        most = kv.second;
+        victim_known = k;
+      }
+    }
+    const bool cut = !victim.empty() &&
+                     ((known && !victim_known) || mine + 1 < most);
+    if (!cut) {
+      *busy = std::to_string(kMaxHandshakes) + " handshakes in progress";
+      if (mine == 0) handshakes_by_source_.erase(source);
+      return false;
+    }
+    for (auto it = pending_handshakes_.begin(); it != pending_handshakes_.end();
+         ++it) {
+      if (it->second.source != victim) continue;
+      // Its thread sees the connection end at once, counts and logs it;
+      // the slot comes back when that thread has ended (EndHandshake).
+      shutdown(it->second.fd, SHUT_RDWR);
+      pending_handshakes_.erase(it);
+      break;
+    }
+  }
+  ++handshakes_;
+  ++mine;
+  *id = ++next_handshake_;
+  pending_handshakes_[*id] = PendingHandshake{fd, source};
+  return true;
+}
+
+bool Engine::SettleHandshake(uint64_t id) {
+  std::lock_guard<std::mutex> lock(handshake_mu_);
+  return pending_handshakes_.erase(id) > 0;
+}
+
 void Engine::EndHandshake(const std::string& source) {
   std::lock_guard<std::mutex> lock(handshake_mu_);
   --handshakes_;
   if (--handshakes_by_source_[source] <= 0) handshakes_by_source_.erase(source);
 }
 
-void Engine::Handshake(int fd) {
+void Engine::Handshake(int fd, uint64_t id) {
   Deadline deadline(kHandshakeTimeoutMs);
   TuneSocket(fd, kHandshakeTimeoutMs);
   std::string from = PeerAddress(fd);
+  bool settled = false;  // out of admission's reach (SettleHandshake)
+  auto close_fd = [&] {
+    if (!settled) SettleHandshake(id);
+    settled = true;
+    close(fd);
+  };
   auto reject = [&](const std::string& log) {
     ++refused_connections_;
-    LogLimited("rejected connection from " + from + ": " + log);
-    close(fd);
+    // Out of the pending set before this thread settled it: admission cut
+    // it short for a newer connection.
+    const bool cut = !settled && !SettleHandshake(id);
+    settled = true;
+    LogLimited("rejected connection from " + from + ": " +
+               (cut ? "cut short for a newer connection (" +
+                          std::to_string(kMaxHandshakes) +
+                          " handshakes in progress, the most of them from " +
+                          HostOf(from) + ")"
+                    : log));
+    close_fd();
   };
   auto deny = [&](const std::string& reason, const std::string& log) {
     std::string line = "DENIED " + reason + "\n";
@@ -261,8 +391,9 @@ void Engine::Handshake(int fd) {
   std::string nonce_r = RandomHex(32);
   std::string challenge =
       std::string(kHandshakeVersion) + " CHALLENGE " + nonce_r + "\n";
-  if (!SendAll(fd, challenge.data(), challenge.size(), deadline).ok()) {
-    close(fd);
+  Status sent = SendAll(fd, challenge.data(), challenge.size(), deadline);
+  if (!sent.ok()) {
+    reject("no CHALLENGE sent (" + sent.message() + ")");
     return;
   }
   std::string line;
@@ -286,6 +417,10 @@ void Engine::Handshake(int fd) {
              "task?)");
     return;
   }
+  // The peer holds the secret: admission no longer cuts it short (if it
+  // did meanwhile, the socket is shut down and what follows fails).
+  SettleHandshake(id);
+  settled = true;
   if (config_.peers.find(writer) == config_.peers.end()) {
     deny(writer + " is not a task of this cluster",
          "peer proved the secret but claims to be " + Printable(writer) +
@@ -322,7 +457,7 @@ void Engine::Handshake(int fd) {
                    chosen, incarnation_) +
       "\n";
   if (!SendAll(fd, welcome.data(), welcome.size(), deadline).ok()) {
-    close(fd);
+    close_fd();
     return;
   }
   auto conn = std::make_shared<Connection>();
@@ -363,8 +498,10 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
     close(fd);
     return s.Prefixed("handshake with " + peer + " at " + it->second);
   };
-  // An endpoint at its handshake limit closes new connections before its
-  // challenge: dial again (bounded by the deadline).
+  // An endpoint at its handshake limit closes new connections, before its
+  // challenge or, cutting this one short (admission), after it: dial again
+  // (bounded by the deadline).
+  std::string nonce_r, nonce_w;
   for (int backoff_ms = 10;; backoff_ms = std::min(backoff_ms * 2, 500)) {
     TF_RDMA_RETURN_IF_ERROR(
         ::tf_rdma::Dial(host, port, deadline, &fd)
@@ -372,35 +509,37 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
                       it->second));
     TuneSocket(fd, kHandshakeTimeoutMs);
     Status s = RecvLine(fd, &line, kMaxLine, deadline);
-    if (s.ok()) break;
+    if (s.ok()) {
+      std::vector<std::string> f = Split(line, ' ');
+      if (f.size() != 3 || f[0] != kHandshakeVersion || f[1] != "CHALLENGE") {
+        return fail(Unavailable("not a tf_rdma " +
+                                std::string(kHandshakeVersion) +
+                                " endpoint (got '" + Printable(line, 60) +
+                                "')"));
+      }
+      nonce_r = f[2];
+      nonce_w = RandomHex(32);
+      std::vector<std::string> hello = {
+          "HELLO", config_.task, peer, HostId(),
+          Join(AllowedTransports(), ","), incarnation_, nonce_w};
+      hello.push_back(HelloProof(config_.secret, nonce_r, hello));
+      std::string hello_line = Join(hello, " ") + "\n";
+      s = SendAll(fd, hello_line.data(), hello_line.size(), deadline);
+      if (s.ok()) s = RecvLine(fd, &line, kMaxLine, deadline);
+      if (s.ok()) break;
+    }
     if (s.code() != Code::kUnavailable || deadline.Expired()) return fail(s);
     close(fd);
     std::this_thread::sleep_for(std::chrono::milliseconds(
         std::min<int64_t>(backoff_ms, deadline.RemainingMs() + 1)));
   }
-  std::vector<std::string> f = Split(line, ' ');
-  if (f.size() != 3 || f[0] != kHandshakeVersion || f[1] != "CHALLENGE") {
-    return fail(Unavailable("not a tf_rdma " + std::string(kHandshakeVersion) +
-                            " endpoint (got '" + Printable(line, 60) + "')"));
-  }
-  const std::string nonce_r = f[2];
-  std::string nonce_w = RandomHex(32);
-  std::vector<std::string> hello = {
-      "HELLO", config_.task, peer, HostId(), Join(AllowedTransports(), ","),
-      incarnation_, nonce_w};
-  hello.push_back(HelloProof(config_.secret, nonce_r, hello));
-  std::string hello_line = Join(hello, " ") + "\n";
-  Status s = SendAll(fd, hello_line.data(), hello_line.size(), deadline);
-  if (!s.ok()) return fail(s);
-  s = RecvLine(fd, &line, kMaxLine, deadline);
-  if (!s.ok()) return fail(s);
   if (line.rfind("DENIED ", 0) == 0) {
     Code code = line.find("secret") != std::string::npos
                     ? Code::kPermissionDenied
                     : Code::kFailedPrecondition;
     return fail(Status(code, "refused: " + Printable(line.substr(7), 400)));
   }
-  f = Split(line, ' ');
+  std::vector<std::string> f = Split(line, ' ');
   if (f.size() != 4 || f[0] != "WELCOME" ||
       !SameProof(f[3], WelcomeProof(config_.secret, nonce_w, nonce_r,
                                     config_.task, peer, f[1], f[2]))) {
@@ -417,7 +556,7 @@ Status Engine::Dial(const std::string& peer, const Deadline& deadline,
                             "', which was not offered"));
   }
   conn->fd = fd;
-  s = MakePair(f[1], true, conn, deadline);
+  Status s = MakePair(f[1], true, conn, deadline);
   if (!s.ok()) {
     conn->fd = -1;  // closed by fail
     return fail(s);
