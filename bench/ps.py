@@ -46,7 +46,11 @@ systems on the same cluster, window by window in turn:
 
 With one worker the updates come in the order they were scheduled, so the
 three systems train the same trajectory, and pss-tf_rdma's losses must be
-pss-grpc's bit for bit (the run fails otherwise); with more workers the
+pss-grpc's bit for bit. Where they are not, the ceiling's say which system
+left the common trajectory: if pss-tf_rdma's equal the ceiling's, pss-grpc
+did (seen on the embedding model with one ps task: one step a few hundred
+steps in, by one unit in the last place; docs/benchmarks.md), and the run
+prints a note with the step; otherwise the run fails. With more workers the
 order of updates is the scheduler's, and losses are not compared.
 
 The models are raw ``tf.Variable``s with hand-written updates, so that the
@@ -529,6 +533,21 @@ def _moved(tf_rdma_report, tasks):
     return out
 
 
+def _first_difference(losses):
+    """Where pss-tf_rdma's losses first differ from pss-grpc's: the step and
+    every system's loss there, exactly (the ceiling's says which of the two
+    left the common trajectory), or None."""
+    grpc, rdma = losses[GRPC], losses[RDMA]
+    for step, (a, b) in enumerate(zip(grpc, rdma)):
+        if a != b:
+            at = {s: (repr(v[step]) if step < len(v) else "-")
+                  for s, v in losses.items()}
+            return f"step {step}: " + ", ".join(f"{s} {at[s]}" for s in SYSTEMS)
+    if len(grpc) != len(rdma):
+        return f"{len(grpc)} steps of {GRPC} against {len(rdma)}"
+    return None
+
+
 def _measure_model(name, model, ctx, args):
     """Warms up and times the three systems on one model; its report."""
     tf, strategy, coordinator = ctx["tf"], ctx["strategy"], ctx["coordinator"]
@@ -628,7 +647,11 @@ def _measure_model(name, model, ctx, args):
            "losses_identical": (losses[GRPC] == losses[RDMA]
                                 if comparable else None),
            "ceiling_losses_identical": (losses[GRPC] == losses[CEILING]
-                                        if comparable else None)}
+                                        if comparable else None),
+           "tf_rdma_ceiling_identical": (losses[RDMA] == losses[CEILING]
+                                         if comparable else None),
+           "first_difference": (_first_difference(losses)
+                                if comparable else None)}
     # Let the variables go (their tasks free them); the plans' regions stay
     # in the servers until they exit.
     del params, steps
@@ -739,7 +762,9 @@ def shape_results(shape):
                              speedup_vs_grpc=t[GRPC] / t[RDMA],
                              losses_identical=m["losses_identical"],
                              ceiling_losses_identical=m[
-                                 "ceiling_losses_identical"])
+                                 "ceiling_losses_identical"],
+                             tf_rdma_ceiling_identical=m[
+                                 "tf_rdma_ceiling_identical"])
             results.append(result_entry(
                 s, f"{m['model']}-step", size, [w["step_s"] for w in ws],
                 shape["workers"], **extra))
@@ -866,9 +891,14 @@ def print_report(rows):
     for (model, workers, ps), row in rows.items():
         g, t, c = (row[s] for s in SYSTEMS)
         same = t.get("losses_identical")
-        losses = ("async" if same is None else "DIFFER" if not same else
-                  "all 3 identical" if t.get("ceiling_losses_identical") else
-                  "identical")
+        if same is None:
+            losses = "async"
+        elif same:
+            losses = ("all 3 identical" if t.get("ceiling_losses_identical")
+                      else "identical")
+        else:
+            losses = ("gRPC differs" if t.get("tf_rdma_ceiling_identical")
+                      else "DIFFER")
         table.append([
             model, str(workers), str(ps),
             human_size(t["plan_bytes_per_step"], exact=False),
@@ -921,12 +951,24 @@ def orchestrate(args):
         c = check(row, rows.get((EMPTY, key[1], key[2])), cpus)
         checks.append(c)
         print("check: " + c["line"])
-    differ = [f"{m['model']} ({s['workers']} worker(s), {s['ps']} ps)"
-              for s in shapes for m in s["models"]
-              if m["losses_identical"] is False]
+    # pss-tf_rdma must train pss-grpc's trajectory; where pss-grpc's own
+    # losses leave the one that pss-tf_rdma and the ceiling (no transfers)
+    # share, that is TensorFlow's gRPC path, reported but not failed.
+    differ, grpc_differs = [], []
+    for s in shapes:
+        for m in s["models"]:
+            if m["losses_identical"] is not False:
+                continue
+            where = (f"{m['model']} ({s['workers']} worker(s), {s['ps']} ps; "
+                     f"{m['first_difference']})")
+            (grpc_differs if m["tf_rdma_ceiling_identical"] else
+             differ).append(where)
+    for where in grpc_differs:
+        print(f"note: pss-grpc's losses leave the trajectory that pss-tf_rdma "
+              f"and the ceiling share, bit for bit: {where}")
     if differ:
-        failed.append("losses of pss-tf_rdma differ from pss-grpc's: "
-                      + ", ".join(differ))
+        failed.append("losses of pss-tf_rdma differ from pss-grpc's and the "
+                      "ceiling's: " + ", ".join(differ))
     run.finish()
     if args.json:
         config = {"workers": args.workers, "ps": args.ps,
