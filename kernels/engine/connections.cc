@@ -250,10 +250,17 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   // A peer that said goodbye ended on purpose: nothing was lost (a wait on
   // it still fails, saying that it stopped).
   if (!stopping_ && !said_goodbye) {
+    // The reason may quote a peer's error frame (up to 2,000 bytes): the
+    // log line keeps its start.
+    constexpr size_t kMaxReason = 300;
+    std::string reason = why.message();
+    if (reason.size() > kMaxReason) {
+      reason = reason.substr(0, kMaxReason) + "... (cut)";
+    }
     Log("lost connection " +
         (conn->dialed ? config_.task + " -> " + conn->peer
                       : conn->peer + " -> " + config_.task) +
-        ": " + why.message());
+        ": " + reason);
   }
   if (conn->pair) {
     if (conn->pair->notice_fd() >= 0) {
