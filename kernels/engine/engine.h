@@ -513,13 +513,17 @@ class Engine {
                    const FrameHeader& h, const std::string& body,
                    const Deadline& deadline);
 
-  // Regions and slots.
+  // Regions and slots. `premade`, if given and of `size` bytes, is the
+  // memory a new region takes (made by the caller before it took mu_);
+  // otherwise the region's memory is made here, under mu_.
   Status FindOrCreateDataRegion(const std::string& name, uint64_t size,
                                 const std::string& plan_hash,
-                                const std::string& writer, LocalRegion** out);
+                                const std::string& writer, LocalRegion** out,
+                                std::unique_ptr<Region>* premade = nullptr);
   Status NewLocalRegion(const std::string& name, uint64_t size,
                         const std::string& plan_hash, const std::string& peer,
-                        LocalRegion** out);
+                        LocalRegion** out,
+                        std::unique_ptr<Region>* premade = nullptr);
   Region* RegionForPeer(const Connection& conn, uint32_t id);
   void RefuseWriter(const std::string& region_name, const Status& why);
   // `step`: the send's (with match_calls its call's), for the stall

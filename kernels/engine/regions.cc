@@ -40,11 +40,16 @@ RegionDescriptor DecodeDescriptor(std::map<std::string, std::string>& fields,
 
 Status Engine::NewLocalRegion(const std::string& name, uint64_t size,
                               const std::string& plan_hash,
-                              const std::string& peer, LocalRegion** out) {
+                              const std::string& peer, LocalRegion** out,
+                              std::unique_ptr<Region>* premade) {
   // Caller holds mu_.
   std::unique_ptr<Region> memory;
-  TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory).Prefixed(
-      "region '" + Printable(name) + "' for " + peer));
+  if (premade != nullptr && *premade && (*premade)->size() == size) {
+    memory = std::move(*premade);
+  } else {
+    TF_RDMA_RETURN_IF_ERROR(Region::Create(size, &memory).Prefixed(
+        "region '" + Printable(name) + "' for " + peer));
+  }
   auto region = std::make_unique<LocalRegion>();
   region->id = static_cast<uint32_t>(regions_.size());
   region->name = name;
@@ -59,7 +64,8 @@ Status Engine::NewLocalRegion(const std::string& name, uint64_t size,
 Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
                                       const std::string& plan_hash,
                                       const std::string& writer,
-                                      LocalRegion** out) {
+                                      LocalRegion** out,
+                                      std::unique_ptr<Region>* premade) {
   // Caller holds mu_.
   auto it = data_regions_.find(name);
   if (it != data_regions_.end()) {
@@ -90,7 +96,8 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
     *out = r;
     return Status::Ok();
   }
-  TF_RDMA_RETURN_IF_ERROR(NewLocalRegion(name, size, plan_hash, writer, out));
+  TF_RDMA_RETURN_IF_ERROR(
+      NewLocalRegion(name, size, plan_hash, writer, out, premade));
   data_regions_[name] = *out;
   return Status::Ok();
 }
@@ -167,6 +174,27 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                          "pair of tasks than " + conn->peer + " -> " +
                          config_.task);
   }
+  // The memory of a region this OPEN will make is made first, outside mu_:
+  // reserving and populating a large segment takes seconds (0.7 s a GiB
+  // here), and every WRITE frame into this endpoint takes mu_. Memory made
+  // for an OPEN that then finds the region made meanwhile goes unused (it
+  // is unmapped when this returns, outside mu_ too).
+  std::unique_ptr<Region> premade;
+  if (s.ok()) {
+    bool make;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = data_regions_.find(name);
+      make = it == data_regions_.end()
+                 ? regions_opened_by_[conn->peer] < max_regions_per_peer_
+                 : it->second->opened && it->second->writer != conn &&
+                       MatchedRegion(name.substr(0, name.find('#')));
+    }
+    if (make) {
+      s = Region::Create(size, &premade)
+              .Prefixed("region '" + Printable(name) + "' for " + conn->peer);
+    }
+  }
   LocalRegion* region = nullptr;
   std::shared_ptr<Connection> replaced;  // the same writer's old connection
   if (s.ok()) {
@@ -185,7 +213,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     }
     if (s.ok()) {
       s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
-                                 &region);
+                                 &region, &premade);
     }
     // Another live connection writing into the region: the same process's
     // old one is replaced (it reconnected), anyone else's is refused.
@@ -211,7 +239,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                                    "connection");
         exists = false;
         s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
-                                   &region);
+                                   &region, &premade);
       }
     }
     if (s.ok() && !exists) ++created;
