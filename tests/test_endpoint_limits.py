@@ -24,7 +24,8 @@ held and nothing else suffered:
 - an unrequested OPEN_REPLY closes its connection; 200 connection cycles
   leave the fd and thread counts where they were;
 - a reply of the wrong type to the endpoint's own QUERY closes that
-  connection and hangs nothing;
+  connection and hangs nothing; one writer task holds at most 8
+  authenticated connections; QUERY frames are answered at a bounded rate;
 - the per-writer region limit, OPEN sizes near 2^64, a large region made
   without holding up other writers, a WRITE to region id + 2^32, a HELLO
   whose proof covers other fields than those sent;
@@ -49,7 +50,7 @@ import pytest
 
 import wire_client
 from conftest import make_cluster
-from wire_client import (OPEN_REPLY, closed_within,
+from wire_client import (OPEN_REPLY, QUERY, QUERY_REPLY, closed_within,
                          first_bytes_or_close, header, idle_connection)
 from tf_rdma.graph_passes import plan as plan_lib
 
@@ -68,6 +69,8 @@ ENDPOINT_NOFILE = 1024  # per-writer region limit: max(64, min(1024, 1024 // 4))
 # check against.
 MAX_HANDSHAKES = 64
 MAX_HANDSHAKES_PER_SOURCE = 16
+MAX_CONNECTIONS_PER_PEER = 8  # engine_internal.h
+MAX_QUERIES_PER_SECOND = 1000
 HANDSHAKE_DEADLINE_S = 10
 LOG_BURST = 20
 LOG_WINDOW_S = 10
@@ -574,6 +577,78 @@ def test_a_reply_of_the_wrong_type_ends_its_connection_not_the_endpoint(ep):
     assert "offset_ns" in again["offsets"]["peers"][LEGIT_WRITER], again
     assert probe_transfer(ep) < 5
     ep.legit_transfer(2, timeout=30)
+
+
+def test_one_writer_holds_at_most_8_connections(ep):
+    """A holder of the secret that opens authenticated connection after
+    connection as one task gets 8 (a reader thread and an fd each); the 9th
+    is denied, naming the limit; once one closes, a new one gets in."""
+    # One process (incarnation): a new one would make the endpoint close
+    # the old one's connections, as a restarted writer's.
+    writer, incarnation = task(9), os.urandom(8).hex()
+    time.sleep(0.3)
+    threads = ep.threads()
+    peers = []
+    try:
+        for _ in range(MAX_CONNECTIONS_PER_PEER):
+            peers.append(ep.peer(incarnation=incarnation).connect_as(writer))
+        with ep.peer(incarnation=incarnation) as extra:
+            answer = extra.handshake(writer)
+        assert answer.startswith("DENIED ") and "the most allowed" in answer, answer
+        assert ep.threads() <= threads + MAX_CONNECTIONS_PER_PEER + 3, (
+            threads, ep.threads())
+        peers.pop().close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                peers.append(ep.peer(incarnation=incarnation).connect_as(writer))
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the closed one was not let go"
+                time.sleep(0.1)
+    finally:
+        for peer in peers:
+            peer.close()
+    assert probe_transfer(ep) < 5
+
+
+def test_queries_are_answered_at_a_bounded_rate(ep):
+    """3,000 QUERY frames sent at once on one connection are all answered,
+    at most 1,000 a second (the last after 2 s or more: the connection's
+    reader thread waits, no core spins), and the legitimate writer's
+    transfers go on meanwhile."""
+    n = 3 * MAX_QUERIES_PER_SECOND
+    with ep.peer().connect_as(task(2)) as peer:
+        frames, ids = [], []
+        for _ in range(n):
+            frame, request = peer.request_frame({"what": "clock"}, type_=QUERY)
+            frames.append(frame)
+            ids.append(request)
+        t0 = time.monotonic()
+        cpu0 = endpoint_cpu_s(ep)
+        sender = threading.Thread(target=peer.sock.sendall, args=(b"".join(frames),))
+        sender.start()
+        during = None
+        for i, request in enumerate(ids):
+            code, reply = peer.read_reply(request, QUERY_REPLY)
+            assert code == 0, reply
+            if i == MAX_QUERIES_PER_SECOND + 10:
+                t1 = time.monotonic()
+                ep.legit_transfer(3)
+                during = time.monotonic() - t1
+        elapsed = time.monotonic() - t0
+        cpu = endpoint_cpu_s(ep) - cpu0
+        sender.join(10)
+    assert elapsed >= (n / MAX_QUERIES_PER_SECOND) - 1 - 0.2, elapsed
+    assert during is not None and during < 2, during
+    assert cpu < 0.5 * elapsed, (cpu, elapsed)
+
+
+def endpoint_cpu_s(ep):
+    """CPU seconds the endpoint's process has used (user + system)."""
+    with open(f"/proc/{ep.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- OPEN bounds

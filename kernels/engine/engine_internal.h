@@ -61,6 +61,10 @@ struct Connection {
   std::set<uint64_t> abandoned;
   std::map<uint64_t, std::pair<FrameHeader, std::string>> replies;
   std::set<uint32_t> peer_writable;  // our region ids this peer may write
+  // The reader thread's own: the current second of QUERY frames
+  // (kMaxQueriesPerSecond).
+  std::chrono::steady_clock::time_point query_second{};
+  int queries_this_second = 0;
 
   ~Connection() {
     pair.reset();
@@ -245,6 +249,14 @@ constexpr size_t kMaxAbandonedRequests = 256;
 // and at most this many.
 constexpr int kMaxRegionsPerPeer = 1024;
 constexpr int kHandshakeTimeoutMs = 10000;
+// Connections one writer task may hold to this endpoint at once (it dials
+// one; a redialled one overlaps the lost one briefly): each has a reader
+// thread and an fd, so a holder of the secret may not open them without end.
+constexpr int kMaxConnectionsPerPeer = 8;
+// QUERY frames one connection gets answered per second; beyond that its
+// reader thread waits out the second (the stall inspector and clock offsets
+// ask a few times a second at most).
+constexpr int kMaxQueriesPerSecond = 1000;
 
 // Steps (StepCounter).
 

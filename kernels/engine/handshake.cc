@@ -433,6 +433,21 @@ void Engine::Handshake(int fd, uint64_t id) {
              config_.task + " (check the endpoint addresses)");
     return;
   }
+  int held = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& c : connections_) {
+      held += c->peer == writer && !c->dialed && !c->gone.load() ? 1 : 0;
+    }
+  }
+  if (held >= kMaxConnectionsPerPeer) {
+    deny(writer + " already holds " + std::to_string(held) +
+             " connections to " + config_.task + ", the most allowed",
+         writer + " already holds " + std::to_string(held) +
+             " connections, the most allowed (" +
+             std::to_string(kMaxConnectionsPerPeer) + ")");
+    return;
+  }
   // The writer offers the transports it can use; its host id is
   // "<boot id>/<network namespace>" (HostId).
   PairEnd writer_end;
