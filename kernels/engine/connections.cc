@@ -286,10 +286,11 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   poller_recheck_.store(true);
   RingPoller();
   // A peer on this host that died leaves its segments in /dev/shm (nothing
-  // runs at SIGKILL); once its process is gone their locks are free and
-  // they can go (region.h). Try for a few seconds: the process may still be
-  // exiting.
-  if (!stopping_ && conn->pair && conn->pair->maps_peer_segments()) {
+  // runs at SIGKILL), whatever the transport between us; once its process
+  // is gone their locks are free and they can go (region.h). Try for a few
+  // seconds: the process may still be exiting. (A peer on another host, or
+  // with a /dev/shm of its own, leaves nothing here: the sweep finds none.)
+  if (!stopping_) {
     Schedule([this] {
       for (int i = 0; i < 30 && !stopping_; ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));

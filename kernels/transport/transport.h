@@ -166,10 +166,6 @@ class Pair {
   // is in the error state); the engine then closes the connection, so that
   // the peer learns it too.
   virtual bool broken() const { return false; }
-  // True when the pair maps the peer's segments (shm): the peer runs on this
-  // host, and if it dies its segments stay in this host's /dev/shm until a
-  // collection removes them (the engine runs one when the connection drops).
-  virtual bool maps_peer_segments() const { return false; }
   // What its writes did so far.
   virtual PairCounters counters() { return PairCounters(); }
 };

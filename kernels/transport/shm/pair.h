@@ -25,7 +25,6 @@ class Pair : public ::tf_rdma::Pair {
   Status Write(int handle, uint64_t offset, const void* src, uint64_t nbytes,
                uint64_t notice_offset, uint64_t seq,
                const Deadline& deadline) override;
-  bool maps_peer_segments() const override { return true; }
 
  private:
   std::mutex mu_;
