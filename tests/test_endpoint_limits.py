@@ -918,3 +918,32 @@ def test_thread_creation_failure_closes_connections_not_the_process(ep, pids_cgr
     assert ep.legit_transfer(3) < 5
     assert probe_transfer(ep) < 5
     assert "terminate called" not in ep.endpoint.stderr()
+
+
+# --------------------------------------------------------------------------- last: all regions
+
+
+def test_writers_together_open_at_most_half_the_fds_in_regions(ep):
+    """Writers with the secret that each open regions up to their own limit
+    (a quarter of NOFILE) stop, all together, at half of it: the endpoint
+    keeps descriptors to accept connections, and the connected writer's
+    transfers go on. Last: it leaves the endpoint at that limit."""
+    limit = region_limit(ep.pid)
+    total = sum(1 for name in ep.info()["region"])
+    refused = None
+    with ep.peer().connect_as(task(3)) as first, ep.peer().connect_as(task(4)) as second:
+        for i in range(2 * limit):
+            peer = first if i < limit else second
+            code, text = peer.open_fields(raw_open_fields(f"all/{i}"))
+            if code != 0:
+                refused = (i, code, text)
+                break
+    assert refused is not None, "no limit for all writers together"
+    i, code, text = refused
+    assert code == FAILED_PRECONDITION, refused
+    assert "the most allowed for all of them" in text, text
+    assert ep.fds() < ENDPOINT_NOFILE - limit, ep.fds()
+    with ep.peer().connect_as(task(9)):  # connections are still accepted
+        pass
+    assert ep.legit_transfer(3) < 5
+    assert i + total >= 2 * limit - 64, (i, total)  # this endpoint's own count too

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernels/common/text.h"
+#include "kernels/common/trace.h"
 #include "kernels/common/wire.h"
 #include "kernels/engine/engine_internal.h"
 #include "kernels/transport/factory.h"
@@ -285,25 +286,40 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
   // Waits on this peer fail now, not at their next periodic check.
   poller_recheck_.store(true);
   RingPoller();
-  // A peer on this host that died leaves its segments in /dev/shm (nothing
-  // runs at SIGKILL), whatever the transport between us; once its process
-  // is gone their locks are free and they can go (region.h). Try for a few
-  // seconds: the process may still be exiting. (A peer on another host, or
-  // with a /dev/shm of its own, leaves nothing here: the sweep finds none.)
-  if (!stopping_) {
-    Schedule([this] {
-      for (int i = 0; i < 30 && !stopping_; ++i) {
+  if (!stopping_) SweepSegmentsOfTheDead();
+}
+
+// A peer on this host that died leaves its segments in /dev/shm (nothing
+// runs at SIGKILL), whatever the transport between us; once its process is
+// gone their locks are free and they can go (region.h). So each connection
+// that ends starts a sweep that tries for a few seconds (the process may
+// still be exiting). One sweep at a time, on an engine thread: connections
+// that end while it runs extend it, so a peer cycling connections costs
+// one thread, not one per connection. (A peer on another host, or with a
+// /dev/shm of its own, leaves nothing here: the sweep finds none.)
+void Engine::SweepSegmentsOfTheDead() {
+  constexpr int64_t kSweepMs = 3000;
+  sweep_until_ns_.store(trace::NowNs() + kSweepMs * 1000000);
+  if (sweeping_.exchange(true)) return;
+  Schedule([this] {
+    while (true) {
+      while (!stopping_ && trace::NowNs() < sweep_until_ns_.load()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         uint64_t bytes = 0;
         if (int n = RemoveStaleSegments(&bytes)) {
           Log("removed " + std::to_string(n) + " shared-memory segment" +
               (n == 1 ? "" : "s") + " (" + std::to_string(bytes) +
               " bytes) of a peer that died");
-          return;
         }
       }
-    });
-  }
+      sweeping_.store(false);
+      // A connection that ended as this one stopped extended nothing.
+      if (stopping_ || trace::NowNs() >= sweep_until_ns_.load() ||
+          sweeping_.exchange(true)) {
+        return;
+      }
+    }
+  });
 }
 
 Status Engine::CheckPeerAlive(const std::shared_ptr<Connection>& conn,

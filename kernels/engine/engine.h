@@ -525,6 +525,12 @@ class Engine {
                         LocalRegion** out,
                         std::unique_ptr<Region>* premade = nullptr);
   Region* RegionForPeer(const Connection& conn, uint32_t id);
+  // Removes the /dev/shm segments of processes that died, for a few
+  // seconds from now (connections.cc).
+  void SweepSegmentsOfTheDead();
+  // Why `peer` may open no new region here (its own limit or all writers'
+  // together), or "" if it may.
+  std::string RegionLimitLocked(const std::string& peer);
   void RefuseWriter(const std::string& region_name, const Status& why);
   // `step`: the send's (with match_calls its call's), for the stall
   // inspector while it connects.
@@ -668,6 +674,10 @@ class Engine {
   };
   std::vector<Retired> retired_;
 
+  // The sweep for dead peers' segments (SweepSegmentsOfTheDead): whether
+  // one runs, and until when (trace::NowNs).
+  std::atomic<bool> sweeping_{false};
+  std::atomic<int64_t> sweep_until_ns_{0};
   // Handshakes in progress, in all and by source address.
   std::mutex handshake_mu_;
   std::atomic<int> handshakes_{0};

@@ -102,6 +102,30 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
   return Status::Ok();
 }
 
+std::string Engine::RegionLimitLocked(const std::string& peer) {
+  // Caller holds mu_. Each region holds a file descriptor: a quarter of the
+  // process's limit for one writer task, half of it for all of them, so
+  // that writers with the secret cannot take the descriptors this process
+  // needs to accept connections and make its own regions.
+  int total = 0;
+  for (const auto& kv : regions_opened_by_) total += kv.second;
+  const int mine = regions_opened_by_[peer];
+  if (mine >= max_regions_per_peer_) {
+    return peer + " has already opened " + std::to_string(mine) +
+           " regions on this endpoint, the most allowed (a quarter of the "
+           "process's file descriptor limit, at most " +
+           std::to_string(kMaxRegionsPerPeer) + ")";
+  }
+  if (total >= 2 * max_regions_per_peer_) {
+    return "the writers of this endpoint have already opened " +
+           std::to_string(total) + " regions on it, the most allowed for all "
+           "of them together (twice one writer's: half of the process's "
+           "file descriptor limit, at most " +
+           std::to_string(2 * kMaxRegionsPerPeer) + ")";
+  }
+  return "";
+}
+
 Region* Engine::RegionForPeer(const Connection& conn, uint32_t id) {
   {
     std::lock_guard<std::mutex> lock(const_cast<Connection&>(conn).mu);
@@ -186,7 +210,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
       std::lock_guard<std::mutex> lock(mu_);
       auto it = data_regions_.find(name);
       make = it == data_regions_.end()
-                 ? regions_opened_by_[conn->peer] < max_regions_per_peer_
+                 ? RegionLimitLocked(conn->peer).empty()
                  : it->second->opened && it->second->writer != conn &&
                        MatchedRegion(name.substr(0, name.find('#')));
     }
@@ -204,12 +228,9 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     // connection, so a count that restarted with each connection let a
     // peer that reconnects create regions (fds, /dev/shm) without end.
     int& created = regions_opened_by_[conn->peer];
-    if (!exists && created >= max_regions_per_peer_) {
-      s = FailedPrecondition(
-          conn->peer + " has already opened " + std::to_string(created) +
-          " regions on this endpoint, the most allowed (a quarter of the "
-          "process's file descriptor limit, at most " +
-          std::to_string(kMaxRegionsPerPeer) + ")");
+    if (!exists) {
+      std::string limit = RegionLimitLocked(conn->peer);
+      if (!limit.empty()) s = FailedPrecondition(limit);
     }
     if (s.ok()) {
       s = FindOrCreateDataRegion(name, size, f["plan_hash"], conn->peer,
