@@ -25,7 +25,8 @@ held and nothing else suffered:
   leave the fd and thread counts where they were;
 - a reply of the wrong type to the endpoint's own QUERY closes that
   connection and hangs nothing; one writer task holds at most 8
-  authenticated connections; QUERY frames are answered at a bounded rate;
+  authenticated connections; a second process claiming a connected task is
+  refused; QUERY frames are answered at a bounded rate;
 - the per-writer region limit, OPEN sizes near 2^64, a large region made
   without holding up other writers, a WRITE to region id + 2^32, a HELLO
   whose proof covers other fields than those sent;
@@ -610,6 +611,21 @@ def test_one_writer_holds_at_most_8_connections(ep):
         for peer in peers:
             peer.close()
     assert probe_transfer(ep) < 5
+
+
+def test_a_second_process_claiming_a_connected_task_is_refused(ep):
+    """A holder of the secret that claims the connected legitimate writer's
+    task with an incarnation of its own is refused: the endpoint asks the
+    connected one, which answers. The writer's transfers go on; nothing
+    takes it for a restarted process (whose regions would be refused for
+    good)."""
+    t0 = time.monotonic()
+    with ep.peer() as impostor:
+        answer = impostor.handshake(LEGIT_WRITER)
+    assert answer.startswith("DENIED ") and "another process of" in answer, answer
+    assert time.monotonic() - t0 < 5
+    assert ep.legit_transfer(3) < 5
+    assert f"{LEGIT_WRITER} restarted" not in ep.endpoint.stderr(), ep.describe()
 
 
 def test_queries_are_answered_at_a_bounded_rate(ep):

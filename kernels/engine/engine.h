@@ -435,6 +435,10 @@ class Engine {
   void FlushLimitedLog();
   void FlushLimitedLocked();
   // Restarted peers (peers.cc).
+  // Whether `peer`'s new `incarnation` may be taken for a restart: not
+  // while its old one is connected and answers (peers.cc).
+  Status CheckNewIncarnation(const std::string& peer,
+                             const std::string& incarnation);
   void NotePeerIncarnation(const std::shared_ptr<Connection>& conn);
   std::string RestartMessage(const std::string& peer, bool peer_writes);
   // Releasing a peer's regions (peers.cc). All with mu_ held.

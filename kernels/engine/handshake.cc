@@ -448,6 +448,11 @@ void Engine::Handshake(int fd, uint64_t id) {
              std::to_string(kMaxConnectionsPerPeer) + ")");
     return;
   }
+  Status impostor = CheckNewIncarnation(writer, incarnation);
+  if (!impostor.ok()) {
+    deny(impostor.message(), impostor.message());
+    return;
+  }
   // The writer offers the transports it can use; its host id is
   // "<boot id>/<network namespace>" (HostId).
   PairEnd writer_end;

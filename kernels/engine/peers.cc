@@ -64,6 +64,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +80,48 @@ std::string Engine::RestartMessage(const std::string& peer, bool peer_writes) {
          "; tf_rdma does not resume transfers half-way through a job: "
          "restart every task of the job so that all start again from step 1 "
          "(Keras BackupAndRestore or your checkpoints resume the training)";
+}
+
+// A new incarnation while the old one is still connected. Taking a new
+// incarnation for a restart has consequences for good (in-order regions
+// refuse the task from then on), and a holder of the secret could claim any
+// task's name with an incarnation of its own. A restarted process's
+// predecessor is gone: its connections have ended, or, if this side has not
+// seen them end yet (a host that crashed sends no FIN), they no longer
+// answer. So before it is taken, the old incarnation is asked, over a
+// connection that is still open, for its clock (kImpostorProbeMs at most):
+// if it answers, the process that claims its name is another one and is
+// refused; if not, it is a restart. The cost: one query round trip, only
+// when a task connects with a new incarnation while its old one seems
+// connected.
+Status Engine::CheckNewIncarnation(const std::string& peer,
+                                   const std::string& incarnation) {
+  constexpr int64_t kImpostorProbeMs = 1000;
+  std::shared_ptr<Connection> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto known = peer_incarnation_.find(peer);
+    if (known == peer_incarnation_.end() || known->second.empty() ||
+        known->second == incarnation) {
+      return Status::Ok();
+    }
+    for (const auto& c : connections_) {
+      if (c->peer == peer && c->incarnation == known->second &&
+          !c->gone.load()) {
+        old = c;
+        break;
+      }
+    }
+  }
+  if (!old) return Status::Ok();
+  std::map<std::string, std::string> reply;
+  Status asked = Request(old, kQuery, {{"what", "clock"}},
+                         Deadline(kImpostorProbeMs), &reply);
+  if (!asked.ok()) return Status::Ok();  // gone: a restart
+  return FailedPrecondition(
+      "another process of " + peer + " is connected to " + config_.task +
+      " and answers; a second process cannot take its place (two tasks "
+      "with one name?)");
 }
 
 void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
