@@ -410,8 +410,11 @@ class TaskProcess:
     def results(self):
         import json
 
+        # Complete lines only: the process may be writing the last one.
+        text = self.stdout()
+        text = text[:text.rfind("\n") + 1]
         return [json.loads(line[len("RESULT "):])
-                for line in self.stdout().splitlines()
+                for line in text.splitlines()
                 if line.startswith("RESULT ")]
 
     def describe(self):
