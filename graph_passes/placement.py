@@ -24,6 +24,9 @@ plan and the placement cannot disagree:
 4. Then "generators" (no data inputs, one output, e.g. a ``Const``) whose
    consumers all ended up on one task move to that task (the placer's
    "heuristic A"), so a constant is not shipped across the network every step.
+   A device that names no task (``/device:CPU:0``, which a
+   ParameterServerStrategy step gives every op it makes) does not hold a
+   generator back, as it does not in TensorFlow's placer.
 
 Only tasks matter here (job and task index); a node's device type part
 (``/device:GPU:0``) is kept as the user wrote it.
@@ -233,7 +236,7 @@ def resolve_devices(view, caller_device=DEFAULT_CALLER_DEVICE,
 
 def _is_generator(view, name):
     node = view.nodes[name]
-    if node.op == "Placeholder" or node.device:
+    if node.op == "Placeholder" or task_of(node.device) is not None:
         return False
     if any(not i.is_control for i in view.inputs[name]):
         return False

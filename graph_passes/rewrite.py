@@ -52,7 +52,7 @@ from tf_rdma.graph_passes.placement import (
 from tf_rdma.graph_passes.plan import Plan, Transfer, canonical_task
 from tf_rdma.graph_passes.transfers import (
     CONTROL, DYNAMIC, KEPT, NO_ENDPOINT_REASON, STATIC, discover_transfers,
-    spanning_calls)
+    implied_control_inputs, spanning_calls)
 
 CONTROL_TOKEN_DTYPE = "int8"
 # Ops that compute nothing (client_computes leaves them out).
@@ -82,6 +82,10 @@ class Analysis:
         call itself crosses tasks).
       view: The :class:`~tf_rdma.graph_passes.graph.GraphView` of
         ``graph_def`` that the passes built (the rewrite reuses it).
+      implied: ``(consumer, producer, other)`` for every control input
+        ``^producer`` of ``consumer`` that crosses tasks but is no edge:
+        ``other``, another input of ``consumer``, runs after ``producer``,
+        so the rewrite drops it (transfers.py, implied_control_inputs).
     """
 
     graph_def: object
@@ -92,6 +96,7 @@ class Analysis:
     client_task: str
     notes: tuple = ()
     view: object = dataclasses.field(default=None, repr=False, compare=False)
+    implied: tuple = ()
 
     def edges_of_kind(self, *kinds):
         return [e for e in self.edges if e.kind in kinds]
@@ -129,6 +134,8 @@ class Analysis:
             "client_task": self.client_task,
             "edges": [e.to_dict() for e in self.edges],
             "notes": list(self.notes),
+            "implied_control": [{"consumer": c, "producer": p, "after": o}
+                                for c, p, o in self.implied],
             "placements": {n: dataclasses.asdict(p)
                            for n, p in sorted(self.placements.items())},
         }
@@ -145,6 +152,10 @@ class Analysis:
             f"cross-task edges: {len(self.edges)} ({counts[STATIC]} static, "
             f"{counts[DYNAMIC]} dynamic, {counts[CONTROL]} control, "
             f"{counts[KEPT]} kept on TensorFlow's path)")
+        if self.implied:
+            lines.append(
+                f"control inputs not moved: {len(self.implied)} (another "
+                f"input of the same op runs after their producer)")
         for e in self.edges_of_kind(DYNAMIC, KEPT):
             lines.append(f"  {e.kind}: {e.key} ({e.src} -> {e.dst}): {e.reason}")
         for note in self.notes:
@@ -232,8 +243,9 @@ def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
             endpoint_tasks = [endpoint_tasks]
         endpoint_tasks = {canonical_task(t) for t in endpoint_tasks}
     spanning = spanning_calls(view, placements)
+    implied = implied_control_inputs(view, placements)
     edges = discover_transfers(view, placements, endpoint_tasks, client_task,
-                               spanning)
+                               spanning, implied)
     transfers = []
     for e in edges:
         if e.kind == STATIC:
@@ -247,7 +259,8 @@ def _analyze(graph_def, caller_device, arg_devices, endpoint_tasks, depth,
     plan = Plan(transfers, name=plan_name(name, transfers, depth), depth=depth)
     notes = tuple(reason for _, reason in sorted(spanning.items()))
     return Analysis(graph_def, plan, tuple(edges), placements, caller_task,
-                    client_task, notes, view)
+                    client_task, notes, view,
+                    tuple((c, p, o) for (c, p), o in sorted(implied.items())))
 
 
 def _attr(value):
@@ -364,6 +377,7 @@ def _rewrite_graph(analysis, timeout_ms):
     wanted = {n for n, p in analysis.placements.items() if p.inferred}
     for edge in analysis.planned:
         wanted.update(c for c, _ in edge.consumers)
+    wanted.update(c for c, _, _ in analysis.implied)
     nodes = {n.name: n for n in out.node if n.name in wanted}
     for name, placement in analysis.placements.items():
         if placement.inferred:
@@ -423,4 +437,14 @@ def _rewrite_graph(analysis, timeout_ms):
                     f"internal error: input {input_slot} of {consumer!r} is "
                     f"{node.input[input_slot]!r}, expected {edge.tensor!r}")
             node.input[input_slot] = replacement
+    # Control inputs another input implies are dropped (last, and from the
+    # back, so that the slots above still pointed at the inputs they name).
+    dropped = {}
+    for consumer, producer, _ in analysis.implied:
+        for inp in analysis.view.inputs[consumer]:
+            if inp.is_control and inp.producer == producer:
+                dropped.setdefault(consumer, []).append(inp.slot)
+    for consumer, slots in dropped.items():
+        for input_slot in sorted(slots, reverse=True):
+            del nodes[consumer].input[input_slot]
     return out

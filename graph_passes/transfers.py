@@ -131,8 +131,64 @@ def spanning_calls(view, placements):
     return reasons
 
 
+# Control edges between tasks that another input already implies.
+#
+# A tf.function's automatic control dependencies give its final NoOp a
+# control input from every op that must run, and every op that touches a
+# resource one from the op before it on that resource. Under parameter-server
+# training most of those ops run on the ps tasks and the NoOp on the worker,
+# so a step of an n-variable model would cross with about 2n control edges
+# (each variable's read and its update) although the update already runs
+# after the read. A control edge P -> C adds nothing when another input of C
+# has P as an ancestor: C cannot run before that input's producer, which
+# cannot run before P, and the rewrite keeps every ordering it moves (a recv
+# completes after its send, a send after its producer). The rewrite drops
+# such a control input instead of moving it (left in the graph, TensorFlow
+# would send it over gRPC). Nothing runs in another order and nothing is
+# pruned: P stays an ancestor of C. (The other input may be dropped too, for
+# a third that runs after it in turn; acyclic, such a chain ends at an input
+# that stays.) Finding them needs, for every node, which
+# producers of cross-task control edges are its ancestors: one pass in
+# topological order over bit sets as wide as the number of such producers.
+def implied_control_inputs(view, placements):
+    """Cross-task control inputs that another input of their consumer implies.
+
+    Returns:
+      ``{(consumer, producer): other}``: the control input ``^producer`` of
+      ``consumer`` crosses tasks, and ``other``, another input of
+      ``consumer``, runs after ``producer``.
+    """
+    from tf_rdma.graph_passes.placement import topological_order  # pylint: disable=g-import-not-at-top
+
+    crossing = [(name, inp.producer) for name in view.nodes
+                for inp in view.inputs[name]
+                if inp.is_control and placements[inp.producer].task
+                != placements[name].task]
+    if not crossing:
+        return {}
+    bit_of = {}
+    for _, producer in crossing:
+        bit_of.setdefault(producer, 1 << len(bit_of))
+    reach = {}  # node -> bits of the producers that are it or run before it
+    for n in topological_order(view):
+        bits = bit_of.get(n, 0)
+        for inp in view.inputs[n]:
+            bits |= reach[inp.producer]
+        reach[n] = bits
+    implied = {}
+    for consumer, producer in sorted(crossing):
+        bit = bit_of[producer]
+        for inp in view.inputs[consumer]:
+            if inp.is_control and inp.producer == producer:
+                continue
+            if reach[inp.producer] & bit:
+                implied[(consumer, producer)] = inp.producer
+                break
+    return implied
+
+
 def discover_transfers(view, placements, endpoint_tasks=None, client_task=None,
-                       spanning=None):
+                       spanning=None, implied=None):
     """Returns every cross-task edge of ``view`` as a sorted list of :class:`Edge`.
 
     Args:
@@ -146,15 +202,20 @@ def discover_transfers(view, placements, endpoint_tasks=None, client_task=None,
         when ``endpoint_tasks`` is None).
       spanning: ``{node: reason}`` from :func:`spanning_calls`, if already
         computed.
+      implied: ``{(consumer, producer): other}`` from
+        :func:`implied_control_inputs`, if already computed: control inputs
+        that are no edge (the rewrite drops them).
     """
     if spanning is None:
         spanning = spanning_calls(view, placements)
+    if implied is None:
+        implied = implied_control_inputs(view, placements)
     grouped = {}
     for name in view.nodes:
         dst = placements[name].task
         for inp in view.inputs[name]:
             src = placements[inp.producer].task
-            if src == dst:
+            if src == dst or (inp.is_control and (name, inp.producer) in implied):
                 continue
             group = grouped.setdefault((inp.producer, inp.index, dst), [])
             group.append((name, inp.slot))

@@ -389,6 +389,45 @@ def test_control_edge_across_tasks_is_a_zero_byte_transfer():
     assert (t.dtype, t.shape, t.nbytes) == ("int8", (0,), 0)
 
 
+def test_a_parameter_server_step_moves_no_constant_and_no_implied_control():
+    # The shape of a ParameterServerStrategy step: every op made under
+    # /device:CPU:0 (no task), the variable on the ps, its read and update
+    # there, the step's compute on the worker that calls it.
+    v = tf.Variable(tf.ones([4, 3]))
+    names = {}
+
+    @tf.function
+    def f(x):
+        with tf.device("/device:CPU:0"):
+            w = v.read_value()
+            g = x * w
+            alpha = tf.constant(0.1)
+            update = tf.raw_ops.ResourceApplyGradientDescent(
+                var=v.handle, alpha=alpha, delta=g)
+        names.update(alpha=alpha.op.name, update=update.name)
+        return g
+
+    concrete, gd = trace(f, SPEC3)
+    (names["read"],) = [n.name for n in gd.node if n.op == "ReadVariableOp"]
+    a = rw.analyze(gd, caller_device=W0, client_device=CLIENT,
+                   arg_devices=capture_devices(concrete))
+    # The learning rate is made where its only consumer runs, as
+    # TensorFlow's placer makes it: it does not cross every step.
+    p = a.placements[names["alpha"]]
+    assert (p.task, p.reason) == (PS, "generator, placed with its consumers")
+    assert not [e for e in a.edges if e.producer == names["alpha"]]
+    # The function's outputs wait for the read and for the update; the
+    # update waits for the read itself, so only the update's control edge
+    # crosses.
+    implied = {(c, p): o for c, p, o in a.implied}
+    assert any(p == names["read"] and o == names["update"]
+               for (c, p), o in implied.items()), a.implied
+    controls = [e.producer for e in a.edges_of_kind(CONTROL)]
+    assert names["update"] in controls and names["read"] not in controls, (
+        controls)
+    check_rewrite(a, rw.rewrite_graph(a))
+
+
 def test_strings_are_kept_with_a_reason():
     names = {}
 
@@ -775,8 +814,13 @@ def check_rewrite(analysis, rewritten, timeout_ms=-1):
             assert [parse_input(send.input[0], 0).tensor] == [e.tensor]
             want_input = recv.name
         for consumer, slot_index in e.consumers:
-            assert nodes[consumer].input[slot_index] == want_input, (
-                e.key, consumer)
+            if e.kind == CONTROL:
+                # Dropped control inputs (analysis.implied) move the
+                # control inputs after them.
+                assert want_input in nodes[consumer].input, (e.key, consumer)
+            else:
+                assert nodes[consumer].input[slot_index] == want_input, (
+                    e.key, consumer)
     # No planned edge crosses tasks any more; the rest are the kept/dynamic
     # edges, unchanged.
     view = GraphView(rewritten)
@@ -789,6 +833,10 @@ def check_rewrite(analysis, rewritten, timeout_ms=-1):
     unplanned = {(e.producer, e.index, e.dst)
                  for e in analysis.edges_of_kind(KEPT)}
     assert leftover == unplanned
+    # Control inputs another input implies are gone.
+    for consumer, producer, _ in analysis.implied:
+        assert f"^{producer}" not in view.nodes[consumer].input, consumer
+
     # A second analysis finds nothing left to plan.
     again = rw.analyze(rewritten, caller_device=analysis.caller_task)
     assert again.planned == [], again.summary()
