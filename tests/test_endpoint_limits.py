@@ -26,7 +26,8 @@ held and nothing else suffered:
 - a reply of the wrong type to the endpoint's own QUERY closes that
   connection and hangs nothing; one writer task holds at most 8
   authenticated connections; a second process claiming a connected task is
-  refused; QUERY frames are answered at a bounded rate;
+  refused; QUERY frames are answered at a bounded rate; "lost connection"
+  lines are rate-limited per peer;
 - the per-writer region limit, OPEN sizes near 2^64, a large region made
   without holding up other writers, a WRITE to region id + 2^32, a HELLO
   whose proof covers other fields than those sent;
@@ -62,7 +63,9 @@ READER = "/job:worker/task:1"
 LEGIT_WRITER = "/job:worker/task:0"
 N_PROBES = 16
 PROBE_BASE = 10  # probe i is written by task PROBE_BASE + i
-N_TASKS = PROBE_BASE + N_PROBES
+FLAPPING = f"/job:worker/task:{PROBE_BASE + N_PROBES}"  # loses connections
+STEADY = f"/job:worker/task:{PROBE_BASE + N_PROBES + 1}"  # loses one
+N_TASKS = PROBE_BASE + N_PROBES + 2
 TIMEOUT_S = 20  # TF_RDMA_TIMEOUT of the endpoint and the legitimate writer
 ENDPOINT_NOFILE = 1024  # per-writer region limit: max(64, min(1024, 1024 // 4))
 
@@ -611,6 +614,44 @@ def test_one_writer_holds_at_most_8_connections(ep):
         for peer in peers:
             peer.close()
     assert probe_transfer(ep) < 5
+
+
+def lost_lines(log, peer):
+    """(lines, suppressed) of `peer`'s lost connections in `log`."""
+    lines = re.findall(rf"^tf_rdma\[[^\]]*\]: lost connection {re.escape(peer)} -> ",
+                       log, re.M)
+    suppressed = [int(n) for n in re.findall(
+        rf"(\d+) more lost connections? in the last 10 s \(last: lost "
+        rf"connection {re.escape(peer)} -> ", log)]
+    return len(lines), sum(suppressed)
+
+
+def test_lost_connections_are_logged_at_a_bounded_rate_per_peer(ep):
+    """A secret holder whose connections come and go (40 in a few seconds)
+    gets at most 20 "lost connection" lines per 10 s and a line that counts
+    the rest; another peer's loss meanwhile is logged at once."""
+    start = len(ep.endpoint.stderr())
+    n = 40
+    incarnation = os.urandom(8).hex()
+    for _ in range(n):
+        ep.peer(incarnation=incarnation).connect_as(FLAPPING).close()
+        time.sleep(0.05)  # gone before the next: 8 connections at most
+    deadline = time.monotonic() + 10
+    while lost_lines(ep.endpoint.stderr()[start:], FLAPPING)[0] < LOG_BURST:
+        assert time.monotonic() < deadline, ep.describe()
+        time.sleep(0.1)
+    ep.peer().connect_as(STEADY).close()
+    deadline = time.monotonic() + 5
+    while not lost_lines(ep.endpoint.stderr()[start:], STEADY)[0]:
+        assert time.monotonic() < deadline, "the other peer's loss went unlogged"
+        time.sleep(0.1)
+    # The count of the rest comes when the window ends.
+    deadline = time.monotonic() + LOG_WINDOW_S + 5
+    while sum(lost_lines(ep.endpoint.stderr()[start:], FLAPPING)) < n:
+        assert time.monotonic() < deadline, ep.endpoint.stderr()[start:][-3000:]
+        time.sleep(0.2)
+    lines, suppressed = lost_lines(ep.endpoint.stderr()[start:], FLAPPING)
+    assert lines <= LOG_BURST and lines + suppressed == n, (lines, suppressed)
 
 
 def test_a_second_process_claiming_a_connected_task_is_refused(ep):

@@ -19,6 +19,8 @@ machine is untouched:
   writer's credit region included) fail the same way;
 - a peer with the secret asks for a 128 MiB region: it gets the error as its
   OPEN reply, and the endpoint stays up and serves a region that fits;
+- writers share a budget of /dev/shm (TF_RDMA_REGION_BUDGET, by default
+  three quarters of it), one writer at most half of that;
 - `tf-rdma doctor`'s /dev/shm section against a small tmpfs.
 """
 
@@ -194,6 +196,55 @@ def test_peer_asking_for_more_than_dev_shm_holds_gets_an_error(small_dev_shm, tm
         out = collect({"worker:1": proc}, timeout=60)
         assert out["worker:1"].returncode == 0, out["worker:1"].describe()
         assert out["worker:1"].result == {"alive": True}
+    finally:
+        kill_group(proc)
+
+
+def _start_endpoint(tmp_path, prefix, tasks):
+    """A tcp endpoint (worker:1) of `tasks` tasks in `prefix`; (process, port)."""
+    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp"}
+    proc = spawn_task("worker:1", ENDPOINT, make_cluster(tasks), env,
+                      prefix=prefix)
+    ready = tmp_path / "ready"
+    deadline = time.monotonic() + 60
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), "endpoint did not start"
+    return proc, int(ready.read_text())
+
+
+def test_writers_share_a_region_budget_of_dev_shm(small_dev_shm, tmp_path):
+    """The regions written into one endpoint may take three quarters of
+    /dev/shm together (48 of 64 MiB), one writer's half of that (24 MiB):
+    a writer cannot leave the others a full /dev/shm, and the refusal names
+    the budget and what the writer already holds."""
+    proc, port = _start_endpoint(tmp_path, small_dev_shm, 5)
+    budget = SHM_MIB * 3 // 4 << 20
+    try:
+        def open_region(writer, name, size):
+            with wire_client.RawPeer(port, "/job:worker/task:1", SECRET) as peer:
+                peer.connect_as(f"/job:worker/task:{writer}")
+                return peer.open_fields({
+                    "name": name, "size": size, "plan_hash": "raw",
+                    "credit_id": 1, "credit_size": 4096, "credit_shm": ""})
+
+        assert open_region(0, "w0/a", 16 << 20)[0] == 0
+        code, text = open_region(0, "w0/b", 16 << 20)
+        assert code != 0, text
+        assert (f"would exceed that writer's share of this endpoint's /dev/shm "
+                f"budget: its regions here hold {16 << 20} bytes" in text), text
+        assert f"half of the budget of {budget} bytes (TF_RDMA_REGION_BUDGET" in text, text
+        assert open_region(0, "w0/c", 8 << 20)[0] == 0  # up to its half
+        assert open_region(2, "w2/a", 16 << 20)[0] == 0
+        assert open_region(3, "w3/a", 8 << 20)[0] == 0  # 48 MiB in all now
+        code, text = open_region(4, "w4/a", 1 << 20)
+        assert code != 0, text
+        assert (f"would exceed this endpoint's /dev/shm budget: the regions "
+                f"written here hold {budget} bytes, the budget is {budget}"
+                in text), text
+        (tmp_path / "done").write_text("1")
+        out = collect({"worker:1": proc}, timeout=60)
+        assert out["worker:1"].returncode == 0, out["worker:1"].describe()
     finally:
         kill_group(proc)
 

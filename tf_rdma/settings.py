@@ -158,6 +158,12 @@ SETTINGS = (
             "binds, unless it is set already); `auto` spin compares the tasks "
             "on the host with this instead of the process's own CPUs; a "
             "positive integer, at most 65536"),
+    Setting("TF_RDMA_REGION_BUDGET", "auto",
+            "bytes of /dev/shm the regions that other tasks write into may "
+            "take in this task, all writers together (one writer at most "
+            "half): a number with an optional K, M, G or T (powers of 1024), "
+            "or `auto`, three quarters of /dev/shm's size when the endpoint "
+            "starts (docs/reliability.md)"),
     Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
             "a task's tf_rdma endpoint listens on its gRPC port + this "
             "(tf_rdma.cluster)"),
@@ -345,6 +351,34 @@ def poll_microseconds(value=None, env=None):
     return _number("TF_RDMA_POLL_US", value, env, DEFAULT_POLL_US, int,
                    lambda us: 0 <= us <= 10000,
                    "an integer number of microseconds in [0, 10000]")
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(raw):
+    """``"512M"`` -> 536870912; ValueError for anything else."""
+    text = str(raw).strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS and text[-1:] else ""
+    number = text[:len(text) - len(unit)].strip()
+    if not number.isdigit():
+        raise ValueError(raw)
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def region_budget(value=None, env=None):
+    """Returns the region budget in bytes: `value`, else TF_RDMA_REGION_BUDGET; 0 for `auto`.
+
+    0 lets the engine take three quarters of /dev/shm's size when it starts.
+    """
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_REGION_BUDGET", "")
+    if str(raw).strip().lower() in ("", "auto"):
+        return 0
+    return _number("TF_RDMA_REGION_BUDGET", raw, env, 0, _bytes,
+                   lambda n: n >= 1 << 20,
+                   "`auto` or a number of bytes of at least 1M, with an "
+                   "optional K, M, G or T (e.g. 8G)")
 
 
 def host_cpus(value=None, env=None):

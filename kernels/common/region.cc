@@ -50,6 +50,12 @@ Status ShmFullStatus(uint64_t size) {
 
 }  // namespace
 
+uint64_t ShmBytes() {
+  struct statvfs fs;
+  if (statvfs("/dev/shm", &fs) != 0) return 0;
+  return static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+}
+
 Status Region::Create(uint64_t size, std::unique_ptr<Region>* out) {
   if (size == 0 || size % kPageBytes != 0) {
     return InvalidArgument("region size " + std::to_string(size) +

@@ -42,6 +42,10 @@ namespace tf_rdma {
 
 constexpr uint64_t kPageBytes = 4096;
 
+// The size of the file system under /dev/shm, where every region lives, in
+// bytes; 0 if it cannot be read.
+uint64_t ShmBytes();
+
 class Region {
  public:
   // Creates and maps a new segment of `size` bytes (a multiple of the page

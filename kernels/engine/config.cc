@@ -155,6 +155,11 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
                                std::to_string(kMaxDeadlineMs) + "] (0: off)");
       }
       c.stall_warning_ms = static_cast<int64_t>(v);
+    } else if (key == "region_budget") {
+      if (!ParseUint(value, &c.region_budget)) {
+        return InvalidArgument("region_budget '" + value +
+                               "' is not a number of bytes (0: auto)");
+      }
     } else if (key == "timeline") {
       c.timeline = value;
     } else if (key == "timeline_events") {

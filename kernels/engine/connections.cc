@@ -258,7 +258,7 @@ void Engine::CloseConnection(const std::shared_ptr<Connection>& conn,
     if (reason.size() > kMaxReason) {
       reason = reason.substr(0, kMaxReason) + "... (cut)";
     }
-    Log("lost connection " +
+    LogLost(conn->peer, "lost connection " +
         (conn->dialed ? config_.task + " -> " + conn->peer
                       : conn->peer + " -> " + config_.task) +
         ": " + reason);

@@ -96,6 +96,8 @@ Status Engine::Start(const EngineConfig& config) {
     max_regions_per_peer_ = static_cast<int>(std::max<rlim_t>(
         64, std::min<rlim_t>(kMaxRegionsPerPeer, files.rlim_cur / 4)));
   }
+  region_budget_ = config_.region_budget;
+  if (region_budget_ == 0) region_budget_ = ShmBytes() / 4 * 3;
   // Before started_: collectives read config_.collective_spin_us and
   // shares_cores_.
   ResolveCollectiveSpin(1 + PredictTransports());

@@ -138,6 +138,10 @@ struct EngineConfig {
   // A wait longer than this is logged by the stall inspector (stall.cc);
   // 0: off.
   int64_t stall_warning_ms = 10000;
+  // The bytes of /dev/shm the regions that other tasks open here may take
+  // together (TF_RDMA_REGION_BUDGET), one writer task at most half of it;
+  // 0: three quarters of /dev/shm's size when the endpoint starts.
+  uint64_t region_budget = 0;
   std::map<std::string, std::string> peers;  // task -> endpoint "host:port"
   VerbsSettings verbs;            // verbs_* keys
   // TF_RDMA_TIMELINE: the directory this process's timeline file goes to
@@ -403,9 +407,12 @@ class Engine {
   void WakeCancelled();
 
   void Log(const std::string& line);
-  // Log for lines a peer can cause (rejections): at most a few per
-  // interval, then one summary line (handshake.cc).
-  void LogLimited(const std::string& line);
+  // Log for lines a peer can cause: at most a few per interval, then one
+  // summary line (handshake.cc). Rejections and refusals share an
+  // interval; lost connections have one per peer task, so that a peer
+  // whose connections come and go cannot hide another peer's loss.
+  void LogLimited(const std::string& line) { LogThrough(&rejections_, line); }
+  void LogLost(const std::string& peer, const std::string& line);
   // Connections refused or rejected before or in the handshake.
   uint64_t refused_connections() const;
 
@@ -432,8 +439,20 @@ class Engine {
   Status AddToProgress(const std::shared_ptr<Connection>& conn);
   void ReadLoop(std::shared_ptr<Connection> conn);
   void HandleFrame(const std::shared_ptr<Connection>& conn);
+  // Lines of one kind that a peer can cause, kLogBurst per kLogWindowMs,
+  // then a line that counts the rest ("N more <noun>s ...").
+  struct LogLimiter {
+    explicit LogLimiter(const char* noun) : noun(noun) {}
+    const char* noun;
+    std::mutex mu;
+    Clock::time_point window{};
+    int count = 0;
+    uint64_t suppressed = 0;
+    std::string last;
+  };
+  void LogThrough(LogLimiter* limiter, const std::string& raw);
   void FlushLimitedLog();
-  void FlushLimitedLocked();
+  void FlushLimitedLocked(LogLimiter* limiter);
   // Restarted peers (peers.cc).
   // Whether `peer`'s new `incarnation` may be taken for a restart: not
   // while its old one is connected and answers (peers.cc).
@@ -535,6 +554,7 @@ class Engine {
   // Why `peer` may open no new region here (its own limit or all writers'
   // together), or "" if it may.
   std::string RegionLimitLocked(const std::string& peer);
+  std::string RegionBytesLimitLocked(const std::string& writer, uint64_t size);
   void RefuseWriter(const std::string& region_name, const Status& why);
   // `step`: the send's (with match_calls its call's), for the stall
   // inspector while it connects.
@@ -662,9 +682,14 @@ class Engine {
   // and how many there are, for helping sends' copies (HelpRecvsFor).
   std::vector<RecvSlot*> recv_slot_list_;
   std::atomic<uint32_t> recv_slots_made_{0};
-  // Regions each writer task's OPENs created (under mu_): the limit is per
-  // task, for the life of the process (released regions count too).
+  // Regions each writer task's OPENs created (under mu_) and not released
+  // yet: the limit is per task, not per connection.
   std::map<std::string, int> regions_opened_by_;
+  // The bytes of the data regions each writer task writes into here (made
+  // by its OPEN or by a recv here) and not released yet, and the budget of
+  // them all (EngineConfig::region_budget, resolved by Start; 0: none).
+  std::map<std::string, uint64_t> region_bytes_of_;
+  uint64_t region_budget_ = 0;
   // RegionKind bits of each region name, as its slots here were claimed.
   std::map<std::string, int> region_kind_;
   // Released regions not unmapped yet, and from when they may be: after
@@ -698,12 +723,15 @@ class Engine {
   // them ("10.0.0.5", "[fe80::1]"): the sources admission serves first.
   std::set<std::string> cluster_sources_;
   std::atomic<uint64_t> refused_connections_{0};
-  // LogLimited's window.
-  std::mutex limited_mu_;
-  Clock::time_point limited_window_{};
-  int limited_count_ = 0;
-  uint64_t limited_suppressed_ = 0;
-  std::string limited_last_;
+  LogLimiter rejections_{"rejected connection"};
+  // LogLost's, one per peer task up to kMaxLossLimiters, then one for the
+  // rest (`losses_`).
+  std::mutex losses_mu_;
+  std::map<std::string, std::unique_ptr<LogLimiter>> losses_by_peer_;
+  LogLimiter losses_{"lost connection"};
+  // Limiters with suppressed lines not summed up yet: FlushLimitedLog,
+  // called on every turn of the progress loop, has nothing to do at 0.
+  std::atomic<int> limiters_owing_{0};
 
   // ResolveCollectiveSpin's words, logged by the first collective.
   std::string spin_choice_;

@@ -177,7 +177,7 @@ std::set<std::string> SourcesOf(const std::map<std::string, std::string>& peers)
 
 }  // namespace
 
-void Engine::LogLimited(const std::string& raw) {
+void Engine::LogThrough(LogLimiter* limiter, const std::string& raw) {
   // Every caller escapes the peer's text it quotes; this is the backstop for
   // text that reaches here through a status message (a field ParseOpenRequest
   // quotes, say): no control or non-ASCII byte reaches the log, and no line
@@ -196,34 +196,64 @@ void Engine::LogLimited(const std::string& raw) {
     }
   }
   if (i < raw.size()) line += "... (cut)";
-  std::lock_guard<std::mutex> lock(limited_mu_);
+  std::lock_guard<std::mutex> lock(limiter->mu);
   Clock::time_point now = Clock::now();
-  if (now - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
-    FlushLimitedLocked();
-    limited_window_ = now;
-    limited_count_ = 0;
+  if (now - limiter->window > std::chrono::milliseconds(kLogWindowMs)) {
+    FlushLimitedLocked(limiter);
+    limiter->window = now;
+    limiter->count = 0;
   }
-  if (limited_count_ < kLogBurst) {
-    ++limited_count_;
+  if (limiter->count < kLogBurst) {
+    ++limiter->count;
     Log(line);
   } else {
-    ++limited_suppressed_;
-    limited_last_ = line;
+    if (limiter->suppressed++ == 0) limiters_owing_.fetch_add(1);
+    limiter->last = line;
   }
 }
 
-void Engine::FlushLimitedLocked() {
-  if (limited_suppressed_ == 0) return;
-  Log(std::to_string(limited_suppressed_) + " more rejected connection" +
-      (limited_suppressed_ == 1 ? "" : "s") + " in the last " +
-      std::to_string(kLogWindowMs / 1000) + " s (last: " + limited_last_ + ")");
-  limited_suppressed_ = 0;
+void Engine::FlushLimitedLocked(LogLimiter* limiter) {
+  if (limiter->suppressed == 0) return;
+  Log(std::to_string(limiter->suppressed) + " more " + limiter->noun +
+      (limiter->suppressed == 1 ? "" : "s") + " in the last " +
+      std::to_string(kLogWindowMs / 1000) + " s (last: " + limiter->last +
+      ")");
+  limiter->suppressed = 0;
+  limiters_owing_.fetch_sub(1);
+}
+
+void Engine::LogLost(const std::string& peer, const std::string& line) {
+  // Peer names are authenticated cluster tasks, but a secret holder may
+  // claim many: at most kMaxLossLimiters get a window of their own.
+  constexpr size_t kMaxLossLimiters = 256;
+  LogLimiter* limiter = &losses_;
+  {
+    std::lock_guard<std::mutex> lock(losses_mu_);
+    auto it = losses_by_peer_.find(peer);
+    if (it != losses_by_peer_.end()) {
+      limiter = it->second.get();
+    } else if (losses_by_peer_.size() < kMaxLossLimiters) {
+      auto made = std::make_unique<LogLimiter>("lost connection");
+      limiter = made.get();
+      losses_by_peer_.emplace(peer, std::move(made));
+    }
+  }
+  LogThrough(limiter, line);
 }
 
 void Engine::FlushLimitedLog() {
-  std::lock_guard<std::mutex> lock(limited_mu_);
-  if (Clock::now() - limited_window_ > std::chrono::milliseconds(kLogWindowMs)) {
-    FlushLimitedLocked();
+  if (limiters_owing_.load(std::memory_order_relaxed) == 0) return;
+  std::vector<LogLimiter*> limiters = {&rejections_, &losses_};
+  {
+    std::lock_guard<std::mutex> lock(losses_mu_);
+    for (auto& kv : losses_by_peer_) limiters.push_back(kv.second.get());
+  }
+  Clock::time_point now = Clock::now();
+  for (LogLimiter* limiter : limiters) {
+    std::lock_guard<std::mutex> lock(limiter->mu);
+    if (now - limiter->window > std::chrono::milliseconds(kLogWindowMs)) {
+      FlushLimitedLocked(limiter);
+    }
   }
 }
 

@@ -205,6 +205,8 @@ void Engine::RetireRegionLocked(LocalRegion* region, const std::string& why) {
     r->writer.reset();
     int& opened = regions_opened_by_[r->peer];
     if (opened > 0) --opened;  // its memory goes
+    uint64_t& held = region_bytes_of_[r->peer];
+    held -= std::min<uint64_t>(held, r->memory->size());
     bytes += r->memory->size();
     r->memory->Unlink();
     retired_.push_back(Retired{r, region, not_before});

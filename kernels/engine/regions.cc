@@ -96,17 +96,22 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
     *out = r;
     return Status::Ok();
   }
+  std::string limit = RegionBytesLimitLocked(writer, size);
+  if (!limit.empty()) return FailedPrecondition(limit);
   TF_RDMA_RETURN_IF_ERROR(
       NewLocalRegion(name, size, plan_hash, writer, out, premade));
   data_regions_[name] = *out;
+  region_bytes_of_[writer] += size;
   return Status::Ok();
 }
 
+// What one writer and all of them may hold here. Each region holds a file
+// descriptor: a quarter of the process's limit for the regions one writer
+// task's OPENs made, half of it for all of them, so that writers with the
+// secret cannot take the descriptors this process needs to accept
+// connections and make its own regions.
 std::string Engine::RegionLimitLocked(const std::string& peer) {
-  // Caller holds mu_. Each region holds a file descriptor: a quarter of the
-  // process's limit for one writer task, half of it for all of them, so
-  // that writers with the secret cannot take the descriptors this process
-  // needs to accept connections and make its own regions.
+  // Caller holds mu_.
   int total = 0;
   for (const auto& kv : regions_opened_by_) total += kv.second;
   const int mine = regions_opened_by_[peer];
@@ -122,6 +127,40 @@ std::string Engine::RegionLimitLocked(const std::string& peer) {
            "of them together (twice one writer's: half of the process's "
            "file descriptor limit, at most " +
            std::to_string(2 * kMaxRegionsPerPeer) + ")";
+  }
+  return "";
+}
+
+// And each region holds its bytes of /dev/shm, which the host's other tasks
+// need too: the regions written here may take the region budget together
+// (TF_RDMA_REGION_BUDGET, by default three quarters of /dev/shm's size),
+// those of one writer task half of it, whoever made them (its OPEN or a
+// recv here), so that no writer can take what the others need and a plan
+// gets the same answer whichever side comes first. A region larger than
+// all of /dev/shm is left to Region::Create, whose error says how to get a
+// larger one: no budget would help it.
+std::string Engine::RegionBytesLimitLocked(const std::string& writer,
+                                           uint64_t size) {
+  // Caller holds mu_.
+  if (region_budget_ == 0 || size > ShmBytes()) return "";
+  uint64_t total = 0;
+  for (const auto& kv : region_bytes_of_) total += kv.second;
+  const uint64_t mine = region_bytes_of_[writer];
+  const std::string budget =
+      std::to_string(region_budget_) + " bytes (TF_RDMA_REGION_BUDGET; by "
+      "default three quarters of /dev/shm's size)";
+  if (mine + size > region_budget_ / 2) {
+    return "a region of " + std::to_string(size) + " bytes written by " +
+           writer + " would exceed that writer's share of this endpoint's "
+           "/dev/shm budget: its regions here hold " + std::to_string(mine) +
+           " bytes, one writer's may hold at most half of the budget of " +
+           budget;
+  }
+  if (total + size > region_budget_) {
+    return "a region of " + std::to_string(size) + " bytes written by " +
+           writer + " would exceed this endpoint's /dev/shm budget: the "
+           "regions written here hold " + std::to_string(total) +
+           " bytes, the budget is " + budget;
   }
   return "";
 }
@@ -210,7 +249,8 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
       std::lock_guard<std::mutex> lock(mu_);
       auto it = data_regions_.find(name);
       make = it == data_regions_.end()
-                 ? RegionLimitLocked(conn->peer).empty()
+                 ? RegionLimitLocked(conn->peer).empty() &&
+                       RegionBytesLimitLocked(conn->peer, size).empty()
                  : it->second->opened && it->second->writer != conn &&
                        MatchedRegion(name.substr(0, name.find('#')));
     }
