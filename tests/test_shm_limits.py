@@ -167,17 +167,24 @@ result({"alive": True})
 """
 
 
-def test_peer_asking_for_more_than_dev_shm_holds_gets_an_error(small_dev_shm, tmp_path):
-    cluster = make_cluster(2)
+def _start_endpoint(tmp_path, prefix, tasks):
+    """A tcp endpoint (worker:1) of `tasks` tasks in `prefix`; (process, port)."""
     env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp"}
-    proc = spawn_task("worker:1", ENDPOINT, cluster, env, prefix=small_dev_shm)
+    proc = spawn_task("worker:1", ENDPOINT, make_cluster(tasks), env,
+                      prefix=prefix)
+    ready = tmp_path / "ready"
+    deadline = time.monotonic() + 60
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not ready.exists():
+        kill_group(proc)
+        pytest.fail("endpoint did not start")
+    return proc, int(ready.read_text())
+
+
+def test_peer_asking_for_more_than_dev_shm_holds_gets_an_error(small_dev_shm, tmp_path):
+    proc, port = _start_endpoint(tmp_path, small_dev_shm, 2)
     try:
-        ready = tmp_path / "ready"
-        deadline = time.monotonic() + 60
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), "endpoint did not start"
-        port = int(ready.read_text())
         with wire_client.RawPeer(port, "/job:worker/task:1", SECRET) as peer:
             peer.connect_as("/job:worker/task:0")
 
@@ -200,19 +207,6 @@ def test_peer_asking_for_more_than_dev_shm_holds_gets_an_error(small_dev_shm, tm
         kill_group(proc)
 
 
-def _start_endpoint(tmp_path, prefix, tasks):
-    """A tcp endpoint (worker:1) of `tasks` tasks in `prefix`; (process, port)."""
-    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp"}
-    proc = spawn_task("worker:1", ENDPOINT, make_cluster(tasks), env,
-                      prefix=prefix)
-    ready = tmp_path / "ready"
-    deadline = time.monotonic() + 60
-    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ready.exists(), "endpoint did not start"
-    return proc, int(ready.read_text())
-
-
 def test_writers_share_a_region_budget_of_dev_shm(small_dev_shm, tmp_path):
     """The regions written into one endpoint may take three quarters of
     /dev/shm together (48 of 64 MiB), one writer's half of that (24 MiB):
@@ -220,9 +214,13 @@ def test_writers_share_a_region_budget_of_dev_shm(small_dev_shm, tmp_path):
     the budget and what the writer already holds."""
     proc, port = _start_endpoint(tmp_path, small_dev_shm, 5)
     budget = SHM_MIB * 3 // 4 << 20
+    # One process per writer task: a new one would be a restart, which
+    # releases the old one's regions.
+    incarnations = {w: os.urandom(8).hex() for w in range(5)}
     try:
         def open_region(writer, name, size):
-            with wire_client.RawPeer(port, "/job:worker/task:1", SECRET) as peer:
+            with wire_client.RawPeer(port, "/job:worker/task:1", SECRET,
+                                     incarnation=incarnations[writer]) as peer:
                 peer.connect_as(f"/job:worker/task:{writer}")
                 return peer.open_fields({
                     "name": name, "size": size, "plan_hash": "raw",

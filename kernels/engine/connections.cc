@@ -105,6 +105,7 @@ void Engine::ReadLoop(std::shared_ptr<Connection> conn) {
 
 void Engine::ProgressLoop() {
   struct epoll_event events[32];
+  Clock::time_point next_sweep = Clock::now();
   while (!stopping_) {
     int n = epoll_wait(epoll_fd_, events, 32, 100);
     for (int i = 0; i < n && !stopping_; ++i) {
@@ -119,6 +120,14 @@ void Engine::ProgressLoop() {
       HandleNotices(conn);
     }
     FlushLimitedLog();
+    // A released region is unmapped (its fd closed, its /dev/shm pages
+    // given back) once nothing can touch it any more (peers.cc): looked
+    // for here every second, not only when another region is released.
+    if (Clock::now() >= next_sweep) {
+      std::lock_guard<std::mutex> lock(mu_);
+      SweepRetiredLocked();
+      next_sweep = Clock::now() + std::chrono::seconds(1);
+    }
   }
 }
 

@@ -673,6 +673,10 @@ class Engine {
   std::map<std::string, std::string> unusable_;
   std::vector<std::unique_ptr<LocalRegion>> regions_;  // index = id
   std::map<std::string, LocalRegion*> data_regions_;   // by plan region name
+  // In-order regions refused for good because their writer restarted, and
+  // released (peers.cc): the reason, by name, for whoever asks for them
+  // again; at most kMaxRefusedNames.
+  std::map<std::string, std::string> refused_names_;
   std::map<std::string, std::unique_ptr<SendSlot>> send_slots_;
   // The regions this process writes into, by plan region name: opened once
   // for all the slots they hold, however many of those bind at the same time.

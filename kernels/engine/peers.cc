@@ -135,7 +135,7 @@ void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
     }
     known = conn->incarnation;
     Log(conn->peer + " restarted: it connected as a new process");
-    std::vector<LocalRegion*> release;
+    std::vector<LocalRegion*> release, refused;
     for (auto& region : regions_) {
       LocalRegion& r = *region;
       if (r.peer != conn->peer || r.name.find("#credit") != std::string::npos ||
@@ -146,11 +146,27 @@ void Engine::NotePeerIncarnation(const std::shared_ptr<Connection>& conn) {
         if (r.opened) release.push_back(&r);
         continue;
       }
-      if (r.opened && r.refusal.empty()) r.refusal = RestartMessage(r.peer, true);
+      if (r.opened && r.refusal.empty()) {
+        r.refusal = RestartMessage(r.peer, true);
+        if (r.name.find('#') == std::string::npos) refused.push_back(&r);
+      }
       r.writer.reset();
     }
     for (LocalRegion* r : release) {
       RetireRegionLocked(r, conn->peer + " restarted");
+    }
+    // A refused region is refused for good: its memory can go now (when
+    // nothing touches it any more, as a released one's), only its name and
+    // reason are kept. So a writer task that restarts again and again
+    // leaves no segments behind. Beyond kMaxRefusedNames (a holder of the
+    // secret restarting on purpose) they keep their memory, still bounded
+    // by the region limits.
+    constexpr size_t kMaxRefusedNames = 4096;
+    for (LocalRegion* r : refused) {
+      if (refused_names_.size() >= kMaxRefusedNames) break;
+      refused_names_[r->name] = r->refusal;
+      RetireRegionLocked(r, conn->peer + " restarted; the region is refused "
+                            "from now on");
     }
     for (auto& kv : send_regions_) {
       SendRegion& r = *kv.second;

@@ -98,6 +98,10 @@ Status Engine::FindOrCreateDataRegion(const std::string& name, uint64_t size,
   }
   std::string limit = RegionBytesLimitLocked(writer, size);
   if (!limit.empty()) return FailedPrecondition(limit);
+  auto refused = refused_names_.find(name);
+  if (refused != refused_names_.end()) {
+    return FailedPrecondition(refused->second);
+  }
   TF_RDMA_RETURN_IF_ERROR(
       NewLocalRegion(name, size, plan_hash, writer, out, premade));
   data_regions_[name] = *out;
@@ -249,7 +253,8 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
       std::lock_guard<std::mutex> lock(mu_);
       auto it = data_regions_.find(name);
       make = it == data_regions_.end()
-                 ? RegionLimitLocked(conn->peer).empty() &&
+                 ? !refused_names_.count(name) &&
+                       RegionLimitLocked(conn->peer).empty() &&
                        RegionBytesLimitLocked(conn->peer, size).empty()
                  : it->second->opened && it->second->writer != conn &&
                        MatchedRegion(name.substr(0, name.find('#')));

@@ -1228,6 +1228,11 @@ TEST(config_parse_numbers) {
       {"stall_warning_ms=-1", false},
       {"stall_warning_ms=1.5", false},
       {"stall_warning_ms=ten", false},
+      {"region_budget=0", true},                     // auto
+      {"region_budget=12884901888", true},
+      {"region_budget=12G", false},                  // settings.py expands it
+      {"region_budget=-1", false},
+      {"region_budget=18446744073709551616", false},
       {"verbs_port=-1", true},
       {"verbs_mtu=4096", true},
       {"verbs_inline=1073741824", true},      // 2^30: the largest accepted
@@ -1253,6 +1258,9 @@ TEST(config_parse_numbers) {
       Config("verbs_traffic_class=-7\nverbs_inline=1073741824\n"), &cfg));
   EXPECT_EQ(cfg.verbs.traffic_class, -7);
   EXPECT_EQ(cfg.verbs.inline_bytes, 1 << 30);
+  ASSERT_OK(tf_rdma::EngineConfig::Parse(
+      Config("region_budget=12884901888\n"), &cfg));
+  EXPECT_EQ(cfg.region_budget, 12884901888ull);
 }
 
 TEST(config_parse_secret_length) {
