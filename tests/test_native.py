@@ -23,9 +23,10 @@ NOBODY = 99999999
 OTHER = 99999998
 
 
-def identified(task, allowed, verbs, boot, netns, **more):
+def identified(task, allowed, verbs, boot, netns, shm="12:1", **more):
     """An end as the handshake knows it."""
-    return dict(task=task, allowed=allowed, verbs=verbs, boot_id=boot, netns=netns, **more)
+    return dict(task=task, allowed=allowed, verbs=verbs, boot_id=boot, netns=netns,
+                shm_id=shm, **more)
 
 
 def at(task, host, kind, allowed="auto", verbs=False, **more):
@@ -39,7 +40,18 @@ def test_same_host_by_boot_id_and_netns():
     c = _native.choose_transport(identified("r", "auto", False, "boot1", "net:[1]"), writer)
     assert c["transport"] == "shm" and c["same_host"] and c["fallback"] is None
     assert "same boot id and network namespace" in c["host_reason"]
-    assert c["reason"] == c["host_reason"]
+    assert c["shared_shm"] and c["reason"] == c["host_reason"] + ", and one /dev/shm"
+
+
+def test_one_host_needs_one_dev_shm():
+    reader = identified("r", "auto", False, "boot1", "net:[1]", shm="12:1")
+    c = _native.choose_transport(reader, identified("w", "auto", False, "boot1", "net:[1]",
+                                                    shm="40:1"))
+    assert c["transport"] == "tcp" and c["same_host"] and not c["shared_shm"]
+    assert "each end has a /dev/shm of its own" in c["reason"]
+    c = _native.choose_transport(reader, identified("w", "shm", False, "boot1", "net:[1]",
+                                                    shm="40:1"))
+    assert c["transport"] is None and "one host, but not one /dev/shm" in c["reason"]
 
 
 def test_different_netns_or_boot():

@@ -247,6 +247,30 @@ def test_writers_share_a_region_budget_of_dev_shm(small_dev_shm, tmp_path):
         kill_group(proc)
 
 
+@pytest.mark.parametrize("transport", ["auto", "shm,tcp"])
+def test_one_host_with_a_dev_shm_each_never_picks_shm(small_dev_shm, tmp_path,
+                                                       transport):
+    """Containers with the host's network share the boot and the network
+    namespace but not /dev/shm: the pair must use tcp (the reader, in a
+    /dev/shm of its own, says why) and the tensor must arrive exact, where
+    shm would fail to open the other's segments."""
+    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": transport,
+           "TEST_ELEMENTS": "1024", "TEST_THEN_ELEMENTS": "0"}
+    cluster = make_cluster(2)
+    procs = {"worker:1": spawn_task("worker:1", TRANSFER, cluster, env,
+                                    prefix=small_dev_shm),
+             "worker:0": spawn_task("worker:0", TRANSFER, cluster, env)}
+    out = collect(procs, timeout=120)
+    for r in out.values():
+        assert r.returncode == 0, r.describe()
+        assert r.result["error"] is None, r.describe()
+    assert out["worker:1"].result["exact"], out["worker:1"].describe()
+    reader_log = out["worker:1"].stderr
+    assert "/job:worker/task:0 -> /job:worker/task:1 uses tcp" in reader_log, reader_log
+    assert " uses shm" not in reader_log + out["worker:0"].stderr
+    assert "each end has a /dev/shm of its own" in reader_log, reader_log
+
+
 def test_doctor_compares_dev_shm_with_the_plan():
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

@@ -33,7 +33,8 @@ class _PairEnd(ctypes.Structure):
                 ("boot_id", ctypes.c_char_p),
                 ("netns", ctypes.c_char_p),
                 ("host", ctypes.c_char_p),
-                ("host_kind", ctypes.c_char_p)]
+                ("host_kind", ctypes.c_char_p),
+                ("shm_id", ctypes.c_char_p)]
 
 
 def library_path():
@@ -87,7 +88,7 @@ def _text(value):
 
 def _pair_end(end, role):
     unknown = set(end) - {"task", "allowed", "verbs", "verbs_detail", "boot_id", "netns",
-                          "host", "host_kind"}
+                          "host", "host_kind", "shm_id"}
     if unknown:
         raise ConfigError(f"choose_transport: unknown key(s) {sorted(unknown)} for the {role}")
     allowed = end.get("allowed")
@@ -101,7 +102,8 @@ def _pair_end(end, role):
                     boot_id=_text(end.get("boot_id")),
                     netns=_text(end.get("netns")),
                     host=_text(end.get("host")),
-                    host_kind=_text(end.get("host_kind")))
+                    host_kind=_text(end.get("host_kind")),
+                    shm_id=_text(end.get("shm_id")))
 
 
 def choose_transport(chooser, peer):
@@ -124,6 +126,8 @@ def choose_transport(chooser, peer):
             or does not ask for one, None: not known),
             ``verbs_detail`` (the device, or why there is none),
             ``boot_id`` and ``netns`` (its host identity; None when not known),
+            ``shm_id`` (its /dev/shm directory, ``"<device>:<inode>"``: with
+            a host identity, shm needs it equal at both ends),
             ``host`` (its endpoint's host as the cluster names it) and
             ``host_kind`` (``"loopback"``, ``"local"``, ``"remote"``, or None
             to have ``host`` judged here against this machine's interfaces).
@@ -135,8 +139,9 @@ def choose_transport(chooser, peer):
         A dict: ``transport`` (``"verbs"``, ``"shm"``, ``"tcp"``, or None when
         the pair cannot connect), ``fallback`` (when ``transport`` is verbs
         but an end's verbs is not known: what the pair uses without it, or
-        None), ``same_host`` (bool), ``host_reason`` (why the ends are, or are
-        not, on one host) and ``reason`` (why this transport, or why none).
+        None), ``same_host`` (bool), ``shared_shm`` (whether the ends see
+        one /dev/shm), ``host_reason`` (why the ends are, or are not, on one
+        host) and ``reason`` (why this transport, or why none).
 
     Raises:
         ConfigError: ``allowed`` or ``host_kind`` is not valid, or a key is

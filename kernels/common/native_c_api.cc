@@ -57,11 +57,13 @@ struct tfrdma_pair_end {
   // "loopback", "local", "remote", or "" to judge `host` here (it is
   // resolved, against this machine's interfaces).
   const char* host_kind;
+  // Its /dev/shm directory, "<device>:<inode>"; "" when not known.
+  const char* shm_id;
 };
 
 // ChooseTransport (transport_choice.h) as JSON: {"transport", "fallback"
-// (string or null), "same_host", "host_reason", "reason"}, or {"error"} for
-// a bad setting or host kind.
+// (string or null), "same_host", "shared_shm", "host_reason", "reason"}, or
+// {"error"} for a bad setting or host kind.
 char* tfrdma_choose_transport(const tfrdma_pair_end* chooser,
                               const tfrdma_pair_end* peer) {
   tf_rdma::PairEnd ends[2];
@@ -85,6 +87,7 @@ char* tfrdma_choose_transport(const tfrdma_pair_end* chooser,
     end.verbs_detail = Text(in.verbs_detail);
     end.boot_id = Text(in.boot_id);
     end.netns = Text(in.netns);
+    end.shm_id = Text(in.shm_id);
     end.identified = !end.boot_id.empty() || !end.netns.empty();
     end.host = Text(in.host);
     std::string kind = Text(in.host_kind);
@@ -104,6 +107,7 @@ char* tfrdma_choose_transport(const tfrdma_pair_end* chooser,
   return Answer("{\"transport\": " + JsonOrNull(c.transport) +
                 ", \"fallback\": " + JsonOrNull(c.fallback) +
                 ", \"same_host\": " + (c.same_host ? "true" : "false") +
+                ", \"shared_shm\": " + (c.shared_shm ? "true" : "false") +
                 ", \"host_reason\": " + tf_rdma::JsonString(c.host_reason) +
                 ", \"reason\": " + tf_rdma::JsonString(c.reason) + "}");
 }

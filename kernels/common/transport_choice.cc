@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -212,9 +213,20 @@ void ThisHost(std::string* boot_id, std::string* netns) {
   *netns = link;
 }
 
+std::string ThisShm() {
+  struct stat st;
+  if (stat("/dev/shm", &st) != 0) return "";
+  return std::to_string(static_cast<uint64_t>(st.st_dev)) + ":" +
+         std::to_string(static_cast<uint64_t>(st.st_ino));
+}
+
 TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
   TransportChoice c;
   c.same_host = SameHost(chooser, peer, &c.host_reason);
+  c.shared_shm = chooser.identified && peer.identified
+                     ? c.same_host && !chooser.shm_id.empty() &&
+                           chooser.shm_id == peer.shm_id
+                     : c.same_host;
   const std::vector<std::string>& mine = chooser.allowed;
   const std::vector<std::string>& theirs =
       peer.allowed.empty() ? chooser.allowed : peer.allowed;
@@ -240,7 +252,7 @@ TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
     for (const std::string& t : mine) {
       if (!Contains(theirs, t)) continue;
       if (t == "verbs" && !with_verbs) continue;
-      if (t == "shm" && !c.same_host) continue;
+      if (t == "shm" && !c.shared_shm) continue;
       return t;
     }
     return "";
@@ -253,7 +265,9 @@ TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
                " allows " + Printable(Join(Usable(theirs, peer.verbs), ",")) +
                ", " + NameOf(chooser, "this end") + " allows " +
                Printable(Join(Usable(mine, chooser.verbs), ",")) +
-               (c.same_host ? "" : " (different hosts)");
+               (!c.same_host    ? " (different hosts)"
+                : !c.shared_shm ? " (one host, but not one /dev/shm)"
+                                : "");
   } else if (c.transport == "verbs") {
     const std::string& device = chooser.verbs == Verbs::kUsable
                                     ? chooser.verbs_detail
@@ -271,11 +285,18 @@ TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
                  otherwise;
     }
   } else if (c.transport == "tcp" && c.same_host) {
+    bool both_shm = Contains(mine, "shm") && Contains(theirs, "shm");
     c.reason = c.host_reason +
-               (Contains(mine, "shm") && Contains(theirs, "shm")
+               (both_shm && !c.shared_shm
+                    ? ", but each end has a /dev/shm of its own (a container "
+                      "with the host's network, or a private mount), where "
+                      "the other cannot open its segments"
+                : both_shm
                     ? ", but tcp comes before shm in the transports allowed"
                     : ", but shm is not among the transports both ends "
                       "allow");
+  } else if (c.transport == "shm" && chooser.identified && peer.identified) {
+    c.reason = c.host_reason + ", and one /dev/shm";
   } else {
     c.reason = c.host_reason;
   }

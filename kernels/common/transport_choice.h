@@ -14,10 +14,15 @@
 // three; only what is known about the two ends differs.
 //
 // "One host" means the same boot of the same kernel and the same network
-// namespace, because that is what lets peers map each other's /dev/shm
-// segments (network namespaces count as hosts, so that veth "hosts" on one
+// namespace (network namespaces count as hosts, so that veth "hosts" on one
 // machine use tcp). Where both ends' boot id and namespace are known (the
-// handshake), they decide. Where they are not (a prediction from a
+// handshake), they decide. One host is not enough for shm: containers with
+// the host's network (Kubernetes hostNetwork pods, `docker run --network
+// host`) share both and still have a /dev/shm each, whose segments the other
+// cannot open. So the handshake also compares the two ends' /dev/shm
+// directories by device and inode number (ThisShm): within one boot of one
+// kernel, equal numbers are the very same directory, a bind mount of it
+// included, and different ones are not; shm needs them equal. Where they are not (a prediction from a
 // cluster's addresses), the addresses decide: two ends are on one host when
 // both are on loopback or on addresses of this machine, or when they have
 // the same host string. That misses two names of one remote machine, and
@@ -59,6 +64,9 @@ HostKind ClassifyHost(const std::string& host,
 // This process's host identity: the kernel's boot id and the network
 // namespace ("net:[4026531840]"); "" where /proc does not say.
 void ThisHost(std::string* boot_id, std::string* netns);
+// This process's /dev/shm directory as "<device>:<inode>" (decimal); ""
+// where it cannot be read.
+std::string ThisShm();
 
 // Whether an end can use verbs.
 enum class Verbs {
@@ -80,6 +88,7 @@ struct PairEnd {
   bool identified = false;
   std::string boot_id;
   std::string netns;
+  std::string shm_id;  // ThisShm(), when identified; "" if not known
   // Its endpoint's host as the cluster names it, and what that is to this
   // machine (ClassifyHost): the prediction's evidence.
   std::string host;
@@ -92,6 +101,9 @@ struct TransportChoice {
   // the pair uses if it has no device after all ("" if none would fit).
   std::string fallback;
   bool same_host = false;
+  // Whether the two ends see one /dev/shm: when both are identified, their
+  // /dev/shm ids are known and equal; otherwise as same_host.
+  bool shared_shm = false;
   std::string host_reason;  // why the two ends are, or are not, on one host
   std::string reason;       // why this transport, or why none
 };

@@ -381,11 +381,12 @@ std::string Engine::Stats() {
 }
 
 std::string Engine::HostId() const {
-  // Same boot of the same kernel and the same network namespace: peers that
-  // share both can map each other's /dev/shm segments (transport_choice.h).
+  // "<boot id>/<network namespace>/<dev>:<ino> of /dev/shm": one host is the
+  // same boot and namespace; shm also needs the same /dev/shm
+  // (transport_choice.h).
   std::string boot, netns;
   ThisHost(&boot, &netns);
-  return boot + "/" + netns;
+  return boot + "/" + netns + "/" + ThisShm();
 }
 
 PairEnd Engine::ThisEnd() const {
@@ -401,6 +402,7 @@ PairEnd Engine::ThisEnd() const {
   }
   me.identified = true;
   ThisHost(&me.boot_id, &me.netns);
+  me.shm_id = ThisShm();
   me.host_kind = HostKind::kLocal;
   return me;
 }

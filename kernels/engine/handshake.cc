@@ -484,17 +484,18 @@ void Engine::Handshake(int fd, uint64_t id) {
     return;
   }
   // The writer offers the transports it can use; its host id is
-  // "<boot id>/<network namespace>" (HostId).
+  // "<boot id>/<network namespace>/<its /dev/shm>" (HostId).
   PairEnd writer_end;
   writer_end.task = writer;
   writer_end.allowed = Split(f[4], ',');
   writer_end.verbs = Contains(writer_end.allowed, "verbs") ? Verbs::kUsable
                                                            : Verbs::kUnusable;
   writer_end.identified = true;
-  size_t slash = host.find('/');
-  writer_end.boot_id = host.substr(0, slash);
-  writer_end.netns =
-      slash == std::string::npos ? "" : host.substr(slash + 1);
+  std::vector<std::string> identity = Split(host, '/');
+  identity.resize(3);
+  writer_end.boot_id = identity[0];
+  writer_end.netns = identity[1];
+  writer_end.shm_id = identity[2];
   TransportChoice choice = ChooseTransport(ThisEnd(), writer_end);
   const std::string& chosen = choice.transport;
   if (chosen.empty()) {
@@ -525,6 +526,10 @@ void Engine::Handshake(int fd, uint64_t id) {
   }
   TuneSocket(fd, static_cast<int>(config_.timeout_ms));
   Log(writer + " -> " + config_.task + " uses " + chosen);
+  if (choice.same_host && !choice.shared_shm) {
+    // The start-up log predicted shm from the addresses; say why not.
+    Log(writer + " -> " + config_.task + ": " + choice.reason);
+  }
   NotePeerIncarnation(conn);
   AddToProgress(conn);
 }

@@ -2165,7 +2165,8 @@ std::vector<std::string> Allowed(const std::string& setting) {
 // An end as the handshake knows it: its setting, verbs, boot id + netns.
 PairEnd Identified(const std::string& task, const std::string& setting,
                    Verbs verbs, const std::string& boot,
-                   const std::string& netns) {
+                   const std::string& netns,
+                   const std::string& shm = "12:1") {
   PairEnd e;
   e.task = task;
   e.allowed = Allowed(setting);
@@ -2173,6 +2174,7 @@ PairEnd Identified(const std::string& task, const std::string& setting,
   e.identified = true;
   e.boot_id = boot;
   e.netns = netns;
+  e.shm_id = shm;
   return e;
 }
 
@@ -2217,7 +2219,33 @@ TEST(transport_choice_same_host_by_boot_id_and_netns) {
   EXPECT_TRUE(c.same_host);
   EXPECT_EQ(c.fallback, std::string());
   EXPECT_CONTAINS(c.host_reason, "same boot id and network namespace");
-  EXPECT_EQ(c.reason, c.host_reason);
+  EXPECT_TRUE(c.shared_shm);
+  EXPECT_EQ(c.reason, c.host_reason + ", and one /dev/shm");
+}
+
+TEST(transport_choice_one_host_needs_one_dev_shm) {
+  // Containers with the host's network: one boot, one network namespace,
+  // a /dev/shm each. Never shm; tcp says why.
+  PairEnd reader = Identified("r", "auto", Verbs::kUnusable, "boot1", "net:[1]",
+                              "12:1");
+  PairEnd writer = Identified("w", "auto", Verbs::kUnusable, "boot1", "net:[1]",
+                              "40:1");
+  TransportChoice c = ChooseTransport(reader, writer);
+  EXPECT_EQ(c.transport, std::string("tcp"));
+  EXPECT_TRUE(c.same_host);
+  EXPECT_FALSE(c.shared_shm);
+  EXPECT_CONTAINS(c.reason, "each end has a /dev/shm of its own");
+  // An end that does not say which /dev/shm it has gets no shm either.
+  writer.shm_id = "";
+  EXPECT_EQ(ChooseTransport(reader, writer).transport, std::string("tcp"));
+  // Only shm allowed: no transport, and why.
+  writer = Identified("w", "shm", Verbs::kUnusable, "boot1", "net:[1]", "40:1");
+  c = ChooseTransport(reader, writer);
+  EXPECT_EQ(c.transport, std::string());
+  EXPECT_CONTAINS(c.reason, "one host, but not one /dev/shm");
+  // The same directory (a bind mount of it too): shm.
+  writer.shm_id = "12:1";
+  EXPECT_EQ(ChooseTransport(reader, writer).transport, std::string("shm"));
 }
 
 TEST(transport_choice_different_netns_or_boot) {
