@@ -7,6 +7,7 @@ and on failure reports every task's exit code and the tail of its output.
 No test can hang: a timeout kills the whole process group.
 """
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -143,6 +144,34 @@ def kill_group(proc, sig=signal.SIGKILL):
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def mount_namespace(mounts, what):
+    """A mount namespace of its own, made by the shell command `mounts`.
+
+    Yields the command prefix that runs a program inside it (spawn_task's
+    `prefix`). Skips the test, saying that `what` cannot be made, where the
+    namespace cannot (not root, no util-linux, no such mount).
+    """
+    if os.geteuid() != 0:
+        pytest.skip(f"{what} needs root (a mount namespace)")
+    for tool in ("unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} (util-linux) is not installed")
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"{mounts} && echo ready && exec sleep 600"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        if holder.stdout.readline().strip() != "ready":
+            holder.wait(timeout=10)
+            pytest.skip(f"cannot make {what}: " + holder.stderr.read().strip())
+        yield ["nsenter", "-t", str(holder.pid), "-m", "--"]
+    finally:
+        kill_group(holder)
+        holder.wait()
 
 
 def collect(procs, timeout):

@@ -25,7 +25,6 @@ machine is untouched:
 """
 
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -33,7 +32,8 @@ import time
 import pytest
 
 import wire_client
-from conftest import collect, kill_group, make_cluster, spawn_task
+from conftest import (collect, kill_group, make_cluster, mount_namespace,
+                      spawn_task)
 from tf_rdma.doctor import system
 from tf_rdma.errors import ConfigError
 
@@ -49,26 +49,9 @@ def small_dev_shm():
 
     Yields the command prefix that runs a program inside it.
     """
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs on /dev/shm in a new mount namespace needs root")
-    for tool in ("unshare", "nsenter"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} (util-linux) is not installed")
-    holder = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm && echo ready "
-         "&& exec sleep 600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        if holder.stdout.readline().strip() != "ready":
-            holder.wait(timeout=10)
-            pytest.skip("cannot make a mount namespace with a small /dev/shm: "
-                        + holder.stderr.read().strip())
-        yield ["nsenter", "-t", str(holder.pid), "-m", "--"]
-    finally:
-        kill_group(holder)
-        holder.wait()
+    with mount_namespace(f"mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm",
+                         "a mount namespace with a small /dev/shm") as prefix:
+        yield prefix
 
 
 TRANSFER = """

@@ -192,7 +192,8 @@ def start_endpoint(task, cluster=None, secret=None, transport=None,
              f"collective_spin_us={settings.collective_spin_microseconds()}",
              f"host_cpus={settings.host_cpus()}",
              f"stall_warning_ms={_stall_warning_ms()}",
-             f"region_budget={settings.region_budget()}"]
+             f"region_budget={settings.region_budget()}",
+             f"bind={settings.bind()}"]
     lines += settings.verbs_config()
     timeline = settings.timeline_dir()
     if timeline:

@@ -164,6 +164,12 @@ SETTINGS = (
             "half): a number with an optional K, M, G or T (powers of 1024), "
             "or `auto`, three quarters of /dev/shm's size when the endpoint "
             "starts (docs/reliability.md)"),
+    Setting("TF_RDMA_BIND", "*",
+            "where a task's endpoint listens: `*`, every interface (IPv4 and "
+            "IPv6), as TensorFlow's gRPC server does; or one host name or "
+            "address to listen on only there. Peers dial the address the "
+            "cluster names for the task (TF_CONFIG, TF_RDMA_ENDPOINTS) "
+            "either way (docs/deploy.md)"),
     Setting("TF_RDMA_PORT_OFFSET", str(DEFAULT_PORT_OFFSET),
             "a task's tf_rdma endpoint listens on its gRPC port + this "
             "(tf_rdma.cluster)"),
@@ -379,6 +385,19 @@ def region_budget(value=None, env=None):
                    lambda n: n >= 1 << 20,
                    "`auto` or a number of bytes of at least 1M, with an "
                    "optional K, M, G or T (e.g. 8G)")
+
+
+def bind(value=None, env=None):
+    """Returns where the endpoint listens: `value`, else TF_RDMA_BIND, else ``*`` (everywhere)."""
+    env = os.environ if env is None else env
+    raw = value if value is not None else env.get("TF_RDMA_BIND", "")
+    host = str(raw).strip()
+    if not host:
+        return "*"
+    if any(c.isspace() for c in host) or host.count("*") and host != "*":
+        raise ConfigError(f"TF_RDMA_BIND={raw!r} is not `*` or a host name "
+                          f"or address")
+    return host.strip("[]")
 
 
 def host_cpus(value=None, env=None):

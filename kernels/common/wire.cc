@@ -189,7 +189,62 @@ Status Resolve(const std::string& host, int port, bool passive,
 
 }  // namespace
 
+namespace {
+
+// Every interface, IPv4 and IPv6 alike: one IPv6 socket that also takes
+// IPv4 (as ::ffff:a.b.c.d, which PeerAddress writes as a.b.c.d), or, where
+// the host has no IPv6, an IPv4 one.
+Status ListenEverywhere(int port, int* fd, int* bound_port) {
+  int s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s >= 0) {
+    int one = 1, zero = 0;
+    setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    struct sockaddr_in6 a;
+    std::memset(&a, 0, sizeof(a));
+    a.sin6_family = AF_INET6;
+    a.sin6_addr = in6addr_any;
+    a.sin6_port = htons(static_cast<uint16_t>(port));
+    if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        listen(s, 128) == 0) {
+      socklen_t len = sizeof(a);
+      getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+      *bound_port = ntohs(a.sin6_port);
+      *fd = s;
+      return Status::Ok();
+    }
+    int err = errno;
+    close(s);
+    if (err != EAFNOSUPPORT && err != EADDRNOTAVAIL) {
+      return ErrnoStatus("listening on *:" + std::to_string(port), err);
+    }
+  }
+  s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) return ErrnoStatus("socket", errno);
+  int one = 1;
+  setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  struct sockaddr_in a;
+  std::memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      listen(s, 128) != 0) {
+    int err = errno;
+    close(s);
+    return ErrnoStatus("listening on *:" + std::to_string(port), err);
+  }
+  socklen_t len = sizeof(a);
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  *bound_port = ntohs(a.sin_port);
+  *fd = s;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Listen(const std::string& host, int port, int* fd, int* bound_port) {
+  if (host == "*") return ListenEverywhere(port, fd, bound_port);
   struct addrinfo* ai = nullptr;
   TF_RDMA_RETURN_IF_ERROR(Resolve(host, port, /*passive=*/true, &ai));
   Status last = Internal("no address to listen on for '" + host + "'");
@@ -282,8 +337,12 @@ std::string PeerAddress(int fd) {
   int port = 0;
   if (addr.ss_family == AF_INET6) {
     auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
-    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
     port = ntohs(a->sin6_port);
+    if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {  // an IPv4 peer (ListenEverywhere)
+      inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], host, sizeof(host));
+      return std::string(host) + ":" + std::to_string(port);
+    }
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
     return "[" + std::string(host) + "]:" + std::to_string(port);
   }
   auto* a = reinterpret_cast<sockaddr_in*>(&addr);

@@ -85,6 +85,8 @@ Status RecvLine(int fd, std::string* line, size_t max_bytes,
                 const Deadline& deadline);
 
 // Listens on host:port (port 0: any); returns the fd and the bound port.
+// Host "*": every interface, IPv6 and IPv4 on one socket where the host has
+// IPv6.
 Status Listen(const std::string& host, int port, int* fd, int* bound_port);
 // Connects to host:port, retrying refused connections until the deadline
 // (the peer's endpoint may not be up yet).

@@ -104,6 +104,8 @@ Status EngineConfig::Parse(const std::string& text, EngineConfig* out) {
       c.task = value;
     } else if (key == "listen") {
       c.listen = value;
+    } else if (key == "bind") {
+      c.bind = value;
     } else if (key == "secret") {
       c.secret = value;
     } else if (key == "transport") {

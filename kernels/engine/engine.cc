@@ -79,8 +79,10 @@ Status Engine::Start(const EngineConfig& config) {
         " bytes) that processes which died had left in /dev/shm");
   }
   TF_RDMA_RETURN_IF_ERROR(StartTransports(config, host));
-  TF_RDMA_RETURN_IF_ERROR(Listen(host, port, &listen_fd_, &listen_port_)
-                              .Prefixed("starting the tf_rdma endpoint"));
+  TF_RDMA_RETURN_IF_ERROR(
+      Listen(config.bind.empty() ? host : config.bind, port, &listen_fd_,
+             &listen_port_)
+          .Prefixed("starting the tf_rdma endpoint"));
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   struct epoll_event ev;

@@ -120,6 +120,10 @@ static_assert(sizeof(DynamicMeta) <= kDynamicMetaBytes,
 struct EngineConfig {
   std::string task;               // this process, "/job:worker/task:0"
   std::string listen;             // "host:port" of the endpoint (port 0: any)
+  // Where it listens: "*" every interface, another host only there; ""
+  // the host of `listen` (TF_RDMA_BIND; the peers dial the cluster's
+  // address of the task whatever this is).
+  std::string bind;
   std::string secret;             // the job secret (TF_RDMA_SECRET)
   // "auto" (verbs if usable, then shm, then tcp) or the transports allowed,
   // in order of preference: "verbs", "shm,tcp", ...
