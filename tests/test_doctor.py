@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import subprocess
+import time
 import sys
 
 import pytest
@@ -261,3 +262,49 @@ def test_plan_transports_predicts_every_pair_of_the_cluster():
     assert "not in the cluster" in rows[2]["reason"]
     alone = transports.plan_transports([("worker:0", "worker:1")], env={})
     assert alone[0]["status"] == "unknown" and "no cluster" in alone[0]["reason"]
+
+
+# --------------------------------------------------------------------------- --reach
+
+ENDPOINT_ONLY = """
+ep = start()
+touch("ready", str(ep.port))
+wait_file("done", timeout=120)
+"""
+
+
+def test_reach_says_which_ports_of_each_peer_answer(tmp_path):
+    """With a tf_rdma endpoint of worker:1 running and nothing on its gRPC
+    port, `--reach` from worker:0 finds the endpoint and not the gRPC
+    server, says why, and reports the host identity the handshake uses."""
+    from conftest import collect, kill_group, make_cluster, spawn_task
+
+    cluster = make_cluster(2)
+    proc = spawn_task("worker:1", ENDPOINT_ONLY, cluster, {"TEST_SYNC_DIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no endpoint"
+            time.sleep(0.1)
+        run = _doctor("--json", "--reach", "--cluster", json.dumps(cluster), "--task", "worker:0")
+        text = _doctor("--reach", "--cluster", json.dumps(cluster), "--task", "worker:0")
+        (tmp_path / "done").write_text("1")
+        collect({"worker:1": proc}, timeout=60)
+    finally:
+        kill_group(proc)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert validate(report, _schema()) == []
+    (peer,) = report["transports"]["reach"]
+    grpc_address = cluster["worker"][1]
+    endpoint_port = int((tmp_path / "ready").read_text())
+    assert peer["task"] == "/job:worker/task:1"
+    assert peer["endpoint"] == {"address": f"127.0.0.1:{endpoint_port}",
+                                "reachable": True, "error": None}, peer
+    assert peer["grpc"]["address"] == grpc_address and not peer["grpc"]["reachable"], peer
+    assert "refused" in peer["grpc"]["error"].lower(), peer
+    st = os.stat("/dev/shm")
+    assert report["host"]["dev_shm_id"] == f"{st.st_dev}:{st.st_ino}"
+    assert report["host"]["netns"] == os.readlink("/proc/self/ns/net")
+    assert (f"/job:worker/task:1: gRPC {grpc_address} NOT reachable" in text.stdout
+            and f"tf_rdma 127.0.0.1:{endpoint_port} reachable" in text.stdout), text.stdout

@@ -48,6 +48,9 @@ def add_arguments(parser):
     parser.add_argument("--cluster", metavar="JSON",
                         help="ClusterSpec as JSON ({\"worker\": [\"host:port\", ...]}, or a whole "
                              "TF_CONFIG) for the transport choice; default: TF_CONFIG")
+    parser.add_argument("--reach", action="store_true",
+                        help="also connect to every other task's gRPC and tf_rdma endpoint "
+                             "ports (3 s each, all at once) and say which answer")
     parser.add_argument("--task", metavar="TASK",
                         help="this task (worker:0 or /job:worker/task:0); default: TF_CONFIG's task, "
                              "else every pair")
@@ -81,7 +84,8 @@ def run(args, parser=None):
     try:
         report = build_report(cluster_json=args.cluster, task=args.task, plan_bytes=int(text),
                               run_self_test=args.self_test,
-                              allow_dist_packages=not args.no_dist_packages)
+                              allow_dist_packages=not args.no_dist_packages,
+                              reach=args.reach)
     except ConfigError as err:
         usage(str(err))
     if args.json:

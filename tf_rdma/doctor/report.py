@@ -16,12 +16,12 @@ from tf_rdma.doctor.rdma import (PROC_MODULES, SYS_MODULE, dev_infiniband,
                                  usable_ports)
 from tf_rdma.doctor.self_test import SELF_TEST_BYTES, self_test
 from tf_rdma.doctor.system import dev_shm, memlock, op_library
-from tf_rdma.doctor.transports import transport_choice
+from tf_rdma.doctor.transports import host_identity, transport_choice
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA_PATH", "build_report", "format_text"]
 
 #: Version of the JSON report's shape; bumped when a field changes meaning.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: The JSON Schema of the ``--json`` report, checked into the repository.
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -29,7 +29,7 @@ SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False, env=None,
-                 allow_dist_packages=True):
+                 allow_dist_packages=True, reach=False):
     """Gathers the whole doctor report.
 
     Args:
@@ -41,6 +41,7 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
         env: The environment (default ``os.environ``).
         allow_dist_packages: Look for the distribution's pyverbs when
             ``import pyverbs`` fails.
+        reach: Connect to every other task's gRPC and endpoint ports.
 
     Returns:
         The report dict; its shape is ``tf_rdma/doctor_schema.json``.
@@ -72,14 +73,15 @@ def build_report(cluster_json=None, task=None, plan_bytes=0, run_self_test=False
         if not dev["present"]:
             parts.append(f"{dev['path']} is absent")
         reason = "; ".join(parts) or "no usable RDMA device"
-    transports = transport_choice(cluster_json, task, env)
+    transports = transport_choice(cluster_json, task, env, reach=reach)
     test = self_test(module, devices) if run_self_test else {
         "ran": False, "ok": None, "device": None, "port": None, "bytes": SELF_TEST_BYTES,
         "seconds": None, "reason": "not requested; pass --self-test"}
     return {
         "schema_version": SCHEMA_VERSION,
         "host": {"hostname": socket.gethostname(), "kernel": platform.release(),
-                 "python": sys.executable, "python_version": platform.python_version()},
+                 "python": sys.executable, "python_version": platform.python_version(),
+                 **host_identity()},
         "rdma": {"usable": bool(usable), "reason": reason,
                  "device_count": len(devices), "active_ports": len(usable)},
         "op_library": library,
@@ -199,6 +201,19 @@ def format_text(report):
                    + (f", this task {tr['task']}" if tr["task"] else ", all pairs"))
         for p in tr["pairs"]:
             out.append(f"  {p['a']} <-> {p['b']}: {p['transport'] or 'none'} ({p['reason']})")
+    h = report["host"]
+    out.append(f"  this host: boot id {h['boot_id'] or '?'}, network namespace "
+               f"{h['netns'] or '?'}, /dev/shm {h['dev_shm_id'] or '?'}: tasks whose three "
+               f"are the same use shm; the same boot id and namespace with another "
+               f"/dev/shm (a container of its own) use tcp")
+    if tr["reach"] is not None:
+        out.append("reachability (a TCP connection to each task's ports):")
+        for r in tr["reach"]:
+            parts = []
+            for name, probe in (("gRPC", r["grpc"]), ("tf_rdma", r["endpoint"])):
+                state = "reachable" if probe["reachable"] else f"NOT reachable ({probe['error']})"
+                parts.append(f"{name} {probe['address']} {state}")
+            out.append(f"  {r['task']}: " + "; ".join(parts))
     st = report["self_test"]
     if not st["ran"]:
         out.append(f"self-test: not run ({st['reason']})")

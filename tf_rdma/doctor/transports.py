@@ -22,7 +22,79 @@ from tf_rdma.doctor.system import read_text
 from tf_rdma.errors import ConfigError, LibraryError
 
 __all__ = ["local_addresses", "engine_verbs_status", "transport_choice",
-           "plan_transports"]
+           "plan_transports", "host_identity", "reachability"]
+
+#: Seconds one reachability probe (a TCP connect) may take.
+REACH_TIMEOUT_S = 3.0
+
+
+def host_identity():
+    """What the engine's handshake compares to decide one host and one /dev/shm.
+
+    Returns:
+        ``{"boot_id", "netns", "dev_shm_id"}``: the kernel's boot id, the
+        network namespace (``net:[4026531840]``) and the device and inode
+        numbers of /dev/shm (``"<device>:<inode>"``); each "" where it
+        cannot be read. Two tasks with the same boot id and namespace are on
+        one host; with the same /dev/shm too, they use shm
+        (kernels/common/transport_choice.h).
+    """
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    try:
+        st = os.stat("/dev/shm")
+        shm_id = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm_id = ""
+    return {"boot_id": (read_text("/proc/sys/kernel/random/boot_id") or "").strip(),
+            "netns": netns, "dev_shm_id": shm_id}
+
+
+def _probe(address):
+    """Tries a TCP connection to ``host:port``; ``{"address", "reachable", "error"}``."""
+    host, port = cluster_lib.split_address(address)
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=REACH_TIMEOUT_S):
+            return {"address": address, "reachable": True, "error": None}
+    except OSError as e:
+        error = e.strerror or type(e).__name__
+        if isinstance(e, socket.timeout):
+            error = f"no answer within {REACH_TIMEOUT_S:g} s"
+        return {"address": address, "reachable": False, "error": error}
+
+
+def reachability(cluster, me=None, env=None):
+    """Connects to every task's gRPC port and tf_rdma endpoint port.
+
+    Args:
+        cluster: The cluster (dict job → addresses).
+        me: This task (``/job:J/task:T``), which is not probed; None probes
+            every task.
+        env: The environment, for the endpoint addresses (TF_RDMA_PORT_OFFSET,
+            TF_RDMA_ENDPOINTS; default ``os.environ``).
+
+    Returns:
+        One ``{"task", "grpc", "endpoint"}`` per probed task, in the
+        cluster's order; ``grpc`` and ``endpoint`` are ``{"address",
+        "reachable", "error"}``. The probes run at once, each bounded by
+        :data:`REACH_TIMEOUT_S`.
+    """
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+
+    endpoints = cluster_lib.endpoints(cluster, env=env)
+    tasks = [(cluster_lib.canonical_task(job, index), address)
+             for job, index, address in cluster_lib.iter_tasks(cluster)]
+    tasks = [(t, a) for t, a in tasks if t != me]
+    addresses = [a for _, a in tasks] + [endpoints[t] for t, _ in tasks]
+    if not addresses:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(min(32, len(addresses))) as pool:
+        probes = list(pool.map(_probe, addresses))
+    n = len(tasks)
+    return [{"task": t, "grpc": probes[i], "endpoint": probes[n + i]}
+            for i, (t, _) in enumerate(tasks)]
 
 
 def _interface_ipv4_addresses():
@@ -125,7 +197,8 @@ def engine_verbs_status(env=None, host=None):
                 "reason": f"the op library does not load, so the engine was not asked: {err}"}
 
 
-def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=None):
+def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=None,
+                     reach=False):
     """Says which transport tf_rdma picks for each pair of tasks, and why.
 
     The engine decides at the hello between two tasks: the first transport
@@ -149,12 +222,16 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
         verbs: ``{"available", "device", "reason"}`` for this host; default:
             :func:`engine_verbs_status` (with this task's host, if known).
         local: Names/addresses of this machine (default :func:`local_addresses`).
+        reach: Also connect to every other task's gRPC and endpoint ports
+            (:func:`reachability`).
 
     Returns:
         A dict with ``setting`` (``auto`` or a list such as ``shm,tcp``),
         ``cluster_source``, ``task``, ``tasks`` (``{"task", "address",
         "host_kind"}``), ``pairs`` (``{"a", "b", "transport", "reason"}``,
-        ``transport`` None when the pair cannot connect) and ``verbs``.
+        ``transport`` None when the pair cannot connect), ``verbs`` and
+        ``reach`` (:func:`reachability`'s list, or None when not asked or
+        without a cluster).
 
     Raises:
         ConfigError: The cluster, task or a TF_RDMA_* setting is not valid;
@@ -164,7 +241,7 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
     setting = settings.transport(env=env)
     allowed = settings.allowed_transports(setting)
     result = {"setting": setting, "cluster_source": None, "task": None, "tasks": [], "pairs": [],
-              "verbs": verbs}
+              "verbs": verbs, "reach": None}
     cluster, source = _load_cluster(cluster_json, env)
     if cluster is None:
         if task:
@@ -211,6 +288,8 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
             reason = choice["reason"] + (forced if choice["transport"] else "")
             result["pairs"].append({"a": a["task"], "b": b["task"],
                                     "transport": choice["transport"], "reason": reason})
+    if reach:
+        result["reach"] = reachability(cluster, me, env)
     return result
 
 
