@@ -14,6 +14,10 @@ at a time:
 - a user-space proxy on every endpoint address (works on any kernel): per
   chunk delay with jitter (results correct), then a partition (the proxy
   stops forwarding; errors within timeout + 1 s);
+- a proxy that resets every connection while steps are in flight: the tasks
+  go on after the first error, and once a writer dials again every op fails
+  at once saying which step never arrived, instead of each waiting out its
+  timeout for good;
 - a SIGSTOP of one task shorter than the timeout (results correct) and
   longer (the other task's error names the stopped one within
   timeout + 1 s; the stopped one fails when it resumes).
@@ -30,6 +34,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -322,6 +327,95 @@ def test_delay_proxy(tmp_path, partition):
         for r in results.values():
             assert r["failure"]["step"] == 3, r
             assert r["failure"]["type"] == "DeadlineExceededError", r
+
+
+class ResetProxy(DelayProxy):
+    """A DelayProxy that can reset every connection it carries (RST to both
+    ends), dropping the chunks it holds: to the tasks, a connection reset
+    while steps are in flight."""
+
+    def reset(self):
+        held, self.sockets = self.sockets, []
+        for s in held:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+
+
+GO_ON_PROGRAM = """
+import hashlib
+N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
+plan = tf_rdma.Plan([
+    tf_rdma.Transfer("a2b", "worker:0", "worker:1", "float32", [N]),
+    tf_rdma.Transfer("b2a", "worker:1", "worker:0", "float32", [N]),
+], name="chaos_reset", depth=2)
+ep = start(listen=os.environ["TEST_LISTEN_" + task.replace(":", "_")])
+me = int(task.rsplit(":", 1)[1])
+out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
+ops = []
+def timed(kind, step, fn):
+    t0 = time.monotonic()
+    got = []
+    error = error_of(lambda: got.append(fn()))
+    ops.append({"kind": kind, "step": step, "error": error,
+                "seconds": time.monotonic() - t0,
+                "digest": hashlib.sha256(got[0].numpy().tobytes()).hexdigest()
+                          if got and kind == "recv" else None})
+    return error is None
+for step in range(1, STEPS + 1):
+    value = tf.constant(np.random.default_rng(1000 * me + step).standard_normal(
+        N, dtype=np.float32))
+    timed("send", step, lambda: tf_rdma.ops.send(value, plan, out_key))
+    timed("recv", step, lambda: tf_rdma.ops.recv(plan, in_key))
+    touch(f"{task}-step{step}")
+result({"ops": ops})
+"""
+
+
+def test_a_reset_connection_fails_what_it_lost_at_once(tmp_path):
+    cluster, listen, proxy_ports, real_ports = proxied_cluster()
+    proxies = [ResetProxy(proxy_ports[t], real_ports[t], 0.02, seed=i)
+               for i, t in enumerate(TASKS)]
+    elements, steps, timeout_s = 1 << 16, 8, 4
+    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp",
+           "TF_RDMA_TIMEOUT": str(timeout_s), "TEST_ELEMENTS": str(elements),
+           "TEST_STEPS": str(steps)}
+    for task, address in listen.items():
+        env["TEST_LISTEN_" + task.replace(":", "_")] = address
+    procs = {t: spawn_task(t, GO_ON_PROGRAM, cluster, env) for t in TASKS}
+    try:
+        wait_for_step(tmp_path, procs, TASKS, 3)
+        time.sleep(0.01)  # step 4 is on its way
+        for p in proxies:
+            p.reset()
+        out = collect(procs, timeout=150)
+    finally:
+        for p in proxies:
+            p.close()
+        for p in procs.values():
+            kill_group(p)
+    lost = []
+    for task, r in out.items():
+        assert r.returncode == 0, r.describe()
+        me = int(task.rsplit(":", 1)[1])
+        ops = r.result["ops"]
+        failed = [op for op in ops if op["error"]]
+        for op in ops:
+            if op["kind"] == "recv" and op["digest"] is not None:
+                assert op["digest"] == payload_digest(1 - me, op["step"], elements), (
+                    task, op)  # whatever arrived is right
+        assert failed, f"{task}: the reset lost nothing? {ops}"
+        # The first failure may wait out its timeout; none after it: the
+        # writers dialled again and the loss is known on both sides.
+        assert failed[0]["seconds"] <= timeout_s + 1.0, (task, failed[0])
+        for op in failed[1:]:
+            assert op["seconds"] < timeout_s, (task, op)
+        lost += [op["error"]["message"] for op in failed
+                 if "never arrived" in op["error"]["message"]]
+    assert lost, "no error said which step never arrived"
+    assert "the connection was lost while the step was in flight" in lost[0], lost[0]
 
 
 # --------------------------------------------------------------------------- SIGSTOP

@@ -558,6 +558,14 @@ class Engine {
   // Why `peer` may open no new region here (its own limit or all writers'
   // together), or "" if it may.
   std::string RegionLimitLocked(const std::string& peer);
+  // "Connections that drop" (regions.cc): what an OPEN on a new connection
+  // says landed but did not (or "", or *malformed), and the credits sent
+  // again.
+  std::string LostInFlightLocked(const LocalRegion& region,
+                                 const std::string& landed,
+                                 const std::string& writer, Status* malformed);
+  void ResendCredits(LocalRegion* region,
+                     const std::shared_ptr<Connection>& conn);
   std::string RegionBytesLimitLocked(const std::string& writer, uint64_t size);
   void RefuseWriter(const std::string& region_name, const Status& why);
   // `step`: the send's (with match_calls its call's), for the stall
@@ -568,7 +576,8 @@ class Engine {
                           const std::string& name, uint64_t size,
                           const std::string& plan_hash, uint32_t credits_id,
                           const Region& credits, const Deadline& deadline,
-                          int* handle, const std::string& refusal = "");
+                          int* handle, const std::string& refusal = "",
+                          const std::string& landed = "");
   bool CreditReady(const SendTicket& ticket) const;
   // CreditReady, noting in the ticket when a credit wait begins.
   bool CreditReadyOrWait(SendTicket* ticket);

@@ -90,6 +90,13 @@ struct LocalRegion {
   // The counters of the writer's peer and transport (stats.h), set with
   // `writer`; read lock-free by the recvs that count what they took.
   std::atomic<PeerCounters*> stats{nullptr};
+  // The credits this side sent its writer, by credit line (line -> step),
+  // sent again when the writer opens the region on a new connection (a
+  // credit can be lost with the old one). Guarded by credit_mu, which is
+  // held while a credit is written, so that no older value overtakes a
+  // newer one; taken before Engine::mu_.
+  std::mutex credit_mu;
+  std::map<uint64_t, uint64_t> credits_sent;
   // Released (peers.cc, "Releasing a peer's regions"): its writer went
   // away, its name is gone from /dev/shm and from the endpoint's tables,
   // and its memory is unmapped once nothing can touch it (Engine::mu_).
@@ -124,6 +131,10 @@ struct SendSlot {
   std::vector<char> busy;
   // Set once by BindSendSlot (under mu), read lock-free after `bound`.
   std::atomic<bool> bound{false};
+  // In order: the last step written (and so, over tcp, handed to the
+  // socket), which an OPEN on a new connection tells the reader
+  // (OpenSendRegion, "Connections that drop" in regions.cc).
+  std::atomic<uint64_t> written{0};
   // The SendRegion::epoch it was bound in (under mu): a matched-call slot
   // bound in a newer one starts its copies' state again.
   uint64_t epoch = 0;

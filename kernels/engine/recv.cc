@@ -287,6 +287,16 @@ void Engine::Release(const RecvTicket& ticket) {
   const SlotSpec& spec = slot->spec;
   std::shared_ptr<Connection> writer;
   int handle;
+  uint64_t line =
+      static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
+  // In order, the credit is kept to be sent again if the writer opens the
+  // region on a new connection (regions.cc, "Connections that drop").
+  std::unique_lock<std::mutex> credit_lock(ticket.region->credit_mu,
+                                           std::defer_lock);
+  if (!spec.match_calls) {
+    credit_lock.lock();
+    ticket.region->credits_sent[line] = ticket.step;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The ticket's region: a copy of a released region goes back to no one
@@ -295,8 +305,6 @@ void Engine::Release(const RecvTicket& ticket) {
     handle = ticket.region->credit_handle;
   }
   if (!writer || stopping_) return;
-  uint64_t line =
-      static_cast<uint64_t>(spec.credit_index) * spec.depth + ticket.copy;
   trace::Span release(ticket.traced_since);
   Status s = writer->pair->Write(handle, 0, nullptr, 0,
                                  line * kCreditLineBytes, ticket.step,

@@ -224,6 +224,80 @@ bool NameBelongsTo(const std::string& name, const std::string& writer,
 // same process (task and incarnation) on another connection proves the old
 // one dead: it is closed here and the new one takes the region over, rather
 // than the OPEN being refused for a writer that no longer exists.
+// Connections that drop. Over tcp a write counts as done once it is in the
+// socket's buffer, and so does a credit; a connection reset while both
+// processes live can lose either, and the writer dials again at its next
+// send and opens its regions on the new connection. For a region whose
+// slots pair the n-th send with the n-th recv, each side would then wait for
+// what the other believes sent: a recv for a step that never came, a send
+// for a credit that never came, every later op until its timeout, for good.
+// So an OPEN on a new connection carries, for each in-order slot the writer
+// has written, the word its last step must have landed in ("landed":
+// "<offset>:<step>,..."): a step that did not land cannot be sent again (the
+// tensor is gone), and the region is refused on both sides at once with what
+// was lost, as for a restarted peer. And the reader sends its credits again
+// over the new connection (LocalRegion::credits_sent), whichever of them
+// the old one lost. Cost: nothing on the data path but a lock and a map
+// entry per in-order recv's release; a few bytes per slot in an OPEN.
+std::string Engine::LostInFlightLocked(const LocalRegion& region,
+                                       const std::string& landed,
+                                       const std::string& writer,
+                                       Status* malformed) {
+  // Caller holds mu_.
+  for (const std::string& item : Split(landed, ',')) {
+    size_t colon = item.find(':');
+    uint64_t offset = 0, step = 0;
+    if (colon == std::string::npos ||
+        !ParseUint(item.substr(0, colon), &offset) ||
+        !ParseUint(item.substr(colon + 1), &step) || offset % 8 != 0 ||
+        region.memory->size() < 8 || offset > region.memory->size() - 8) {
+      *malformed = InvalidArgument("landed '" + Printable(item, 60) +
+                                   "' is not <word offset>:<step> inside "
+                                   "region '" + Printable(region.name) + "'");
+      return "";
+    }
+    uint64_t got =
+        region.memory->Word(offset)->load(std::memory_order_acquire);
+    if (got >= step) continue;
+    std::string tensor = "the tensor whose copy starts at byte " +
+                         std::to_string(offset);
+    for (RecvSlot* slot : recv_slot_list_) {
+      if (slot->spec.region != region.name) continue;
+      for (int64_t c = 0; c < slot->spec.depth; ++c) {
+        if (CopyOffset(slot->spec, c) == offset) {
+          tensor = "tensor '" + slot->spec.tensor_name + "'";
+        }
+      }
+    }
+    return "step " + std::to_string(step) + " of " + tensor + " from " +
+           writer + " never arrived at " + config_.task +
+           " (it holds step " + std::to_string(got) +
+           "): the connection was lost while the step was in flight. "
+           "tf_rdma does not resume transfers half-way through a job: "
+           "restart every task of the job so that all start again from "
+           "step 1 (Keras BackupAndRestore or your checkpoints resume the "
+           "training)";
+  }
+  return "";
+}
+
+void Engine::ResendCredits(LocalRegion* region,
+                           const std::shared_ptr<Connection>& conn) {
+  std::lock_guard<std::mutex> credit_lock(region->credit_mu);
+  int handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (region->writer != conn) return;
+    handle = region->credit_handle;
+  }
+  for (const auto& kv : region->credits_sent) {
+    Status s = conn->pair->Write(handle, 0, nullptr, 0,
+                                 kv.first * kCreditLineBytes, kv.second,
+                                 Deadline(config_.timeout_ms));
+    if (!s.ok()) break;  // the new connection failed too: the next one
+  }
+}
+
 void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
                         uint64_t request_id, const std::string& body) {
   OpenRequest request;
@@ -266,6 +340,7 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
   }
   LocalRegion* region = nullptr;
   std::shared_ptr<Connection> replaced;  // the same writer's old connection
+  bool reopened = false;  // an opened region, now on this connection
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     bool exists = data_regions_.count(name) > 0;
@@ -317,7 +392,23 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     if (s.ok() && !region->refusal.empty()) {
       s = FailedPrecondition(region->refusal);
     }
+    // Steps the old connection lost ("Connections that drop").
+    if (s.ok() && exists && region->opened && region->writer != conn &&
+        !f["landed"].empty() && !MatchedRegion(name.substr(0, name.find('#')))) {
+      Status malformed;
+      std::string lost =
+          LostInFlightLocked(*region, f["landed"], conn->peer, &malformed);
+      if (!malformed.ok()) {
+        s = malformed;
+      } else if (!lost.empty()) {
+        region->refusal = lost;
+        s = FailedPrecondition(lost);
+        poller_recheck_.store(true);
+        RingPoller();
+      }
+    }
     if (s.ok()) take_over_from_writer();
+    reopened = s.ok() && exists && region->opened && region->writer != conn;
     if (s.ok() && region->writer != conn) {
       RegionDescriptor credits = DecodeDescriptor(f, "credit_");
       credits.id = request.credit_id;
@@ -351,6 +442,9 @@ void Engine::HandleOpen(const std::shared_ptr<Connection>& conn,
     LogLimited("refused region for " + conn->peer + ": " + s.message());
   }
   SendReply(conn, kOpenReply, request_id, s, reply);
+  if (s.ok() && reopened && !MatchedRegion(name.substr(0, name.find('#')))) {
+    ResendCredits(region, conn);
+  }
 }
 
 void Engine::RefuseWriter(const std::string& region_name, const Status& why) {

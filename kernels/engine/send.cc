@@ -167,12 +167,14 @@ Status Engine::OpenRemoteRegion(const std::shared_ptr<Connection>& conn,
                                 const std::string& plan_hash,
                                 uint32_t credits_id, const Region& credits,
                                 const Deadline& deadline, int* handle,
-                                const std::string& refusal) {
+                                const std::string& refusal,
+                                const std::string& landed) {
   RegionDescriptor exposed;
   TF_RDMA_RETURN_IF_ERROR(conn->pair->Expose(credits_id, credits, &exposed));
   std::map<std::string, std::string> request = {
       {"name", name}, {"size", std::to_string(size)}, {"plan_hash", plan_hash}};
   if (!refusal.empty()) request["refusal"] = refusal;
+  if (!landed.empty()) request["landed"] = landed;
   EncodeDescriptor(exposed, "credit_", &request);
   std::map<std::string, std::string> reply;
   TF_RDMA_RETURN_IF_ERROR(Request(conn, kOpenRequest, request, deadline, &reply));
@@ -195,10 +197,27 @@ Status Engine::OpenSendRegion(const SlotSpec& spec,
     std::lock_guard<std::mutex> cl(conn->mu);
     conn->peer_writable.insert(credits->id);
   }
+  // In order: where each slot's last written step must have landed, for a
+  // reader that sees the region opened on a new connection to check
+  // ("Connections that drop", regions.cc). "<word offset>:<step>,...".
+  std::string landed;
+  {
+    std::lock_guard<std::mutex> elock(mu_);
+    for (const auto& kv : send_slots_) {
+      const SendSlot& s = *kv.second;
+      uint64_t step = s.written.load(std::memory_order_relaxed);
+      if (s.spec.region != spec.region || s.spec.match_calls || step == 0) {
+        continue;
+      }
+      landed += (landed.empty() ? "" : ",") +
+                std::to_string(CopyOffset(s.spec, CopyOf(s.spec, step))) +
+                ":" + std::to_string(step);
+    }
+  }
   int data_handle = -1;
   TF_RDMA_RETURN_IF_ERROR(OpenRemoteRegion(
       conn, spec.region, spec.region_bytes, spec.plan_hash, credits->id,
-      *credits->memory, deadline, &data_handle));
+      *credits->memory, deadline, &data_handle, "", landed));
   std::lock_guard<std::mutex> elock(mu_);
   std::lock_guard<std::mutex> sl(region->state_mu);
   if (!region->refusal.empty()) return FailedPrecondition(region->refusal);
@@ -216,6 +235,17 @@ namespace {
 // The credit value that frees the copy for `step`.
 uint64_t CreditNeeded(const SlotSpec& spec, uint64_t step) {
   return step > static_cast<uint64_t>(spec.depth) ? step - spec.depth : 0;
+}
+
+// Records an in-order send's step as written (SendSlot::written).
+void NoteWritten(const SendTicket& ticket, const Status& s) {
+  if (!s.ok() || ticket.slot->spec.match_calls) return;
+  std::atomic<uint64_t>& written = ticket.slot->written;
+  uint64_t seen = written.load(std::memory_order_relaxed);
+  while (seen < ticket.step &&
+         !written.compare_exchange_weak(seen, ticket.step,
+                                        std::memory_order_relaxed)) {
+  }
 }
 
 }  // namespace
@@ -288,6 +318,7 @@ bool Engine::TrySendDynamicNow(SendTicket* ticket, const void* data,
 
 Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
   Status s = SendStep(ticket, data, nullptr);
+  NoteWritten(ticket, s);
   if (!s.ok() && !ticket.slot->spec.match_calls) {
     std::lock_guard<std::mutex> lock(ticket.slot->mu);
     GiveBackStep(&ticket.slot->steps, ticket.step, s);
@@ -298,6 +329,7 @@ Status Engine::FinishSend(const SendTicket& ticket, const void* data) {
 Status Engine::FinishSendDynamic(const SendTicket& ticket, const void* data,
                                  const DynamicMeta& meta) {
   Status s = SendStep(ticket, data, &meta);
+  NoteWritten(ticket, s);
   if (!s.ok() && !ticket.slot->spec.match_calls) {
     std::lock_guard<std::mutex> lock(ticket.slot->mu);
     GiveBackStep(&ticket.slot->steps, ticket.step, s);
