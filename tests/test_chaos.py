@@ -52,12 +52,8 @@ TASKS = ("worker:0", "worker:1")
 PEER_OF = {"worker:0": "/job:worker/task:1", "worker:1": "/job:worker/task:0"}
 OUT_KEY = {"worker:0": "a2b", "worker:1": "b2a"}
 
-# Each task sends its tensor, then receives the other's, STEPS times. It
-# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
-# the test's "go" (so the test acts between two steps however fast they
-# run); on the first failing op it reports the error with the op's key,
-# step and duration.
-PROGRAM = """
+# The exchange's set-up: the plan, the payloads, the endpoint.
+EXCHANGE = """
 import hashlib
 N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
 plan = tf_rdma.Plan([
@@ -70,6 +66,18 @@ listen = os.environ.get("TEST_LISTEN_" + task.replace(":", "_"))
 ep = start(listen=listen) if listen else start()
 me = int(task.rsplit(":", 1)[1])
 out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
+"""
+# Each task sends its tensor, then receives the other's, STEPS times. It
+# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
+# the test's "go" (so the test acts between two steps however fast they
+# run); on the first failing op it reports the error with the op's key,
+# step and duration.
+# Each task sends its tensor, then receives the other's, STEPS times. It
+# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
+# the test's "go" (so the test acts between two steps however fast they
+# run); on the first failing op it reports the error with the op's key,
+# step and duration.
+PROGRAM = EXCHANGE + """
 pause_after = int(os.environ.get("TEST_PAUSE_AFTER_STEP", "0"))
 digests, failure = [], None
 t0 = time.monotonic()
@@ -344,16 +352,8 @@ class ResetProxy(DelayProxy):
                 pass
 
 
-GO_ON_PROGRAM = """
-import hashlib
-N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
-plan = tf_rdma.Plan([
-    tf_rdma.Transfer("a2b", "worker:0", "worker:1", "float32", [N]),
-    tf_rdma.Transfer("b2a", "worker:1", "worker:0", "float32", [N]),
-], name="chaos_reset", depth=2)
-ep = start(listen=os.environ["TEST_LISTEN_" + task.replace(":", "_")])
-me = int(task.rsplit(":", 1)[1])
-out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
+# EXCHANGE's steps, going on after a failure; every op's outcome and time.
+GO_ON_PROGRAM = EXCHANGE + """
 ops = []
 def timed(kind, step, fn):
     t0 = time.monotonic()
@@ -365,8 +365,7 @@ def timed(kind, step, fn):
                           if got and kind == "recv" else None})
     return error is None
 for step in range(1, STEPS + 1):
-    value = tf.constant(np.random.default_rng(1000 * me + step).standard_normal(
-        N, dtype=np.float32))
+    value = tf.constant(payload(me, step))
     timed("send", step, lambda: tf_rdma.ops.send(value, plan, out_key))
     timed("recv", step, lambda: tf_rdma.ops.recv(plan, in_key))
     touch(f"{task}-step{step}")
