@@ -22,10 +22,10 @@
 // cannot open. So the handshake also compares the two ends' /dev/shm
 // directories by device and inode number (ThisShm): within one boot of one
 // kernel, equal numbers are the very same directory, a bind mount of it
-// included, and different ones are not; shm needs them equal. Where they are not (a prediction from a
-// cluster's addresses), the addresses decide: two ends are on one host when
-// both are on loopback or on addresses of this machine, or when they have
-// the same host string. That misses two names of one remote machine, and
+// included, and different ones are not; shm needs them equal. Where the
+// identities are not known (a prediction from a cluster's addresses), the
+// addresses decide: two ends are on one host when both are on loopback or
+// on addresses of this machine, or when they have the same host string. That misses two names of one remote machine, and
 // cannot see namespaces; the handshake, which decides, can.
 #ifndef TF_RDMA_COMMON_TRANSPORT_CHOICE_H_
 #define TF_RDMA_COMMON_TRANSPORT_CHOICE_H_

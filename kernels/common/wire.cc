@@ -191,54 +191,56 @@ Status Resolve(const std::string& host, int port, bool passive,
 
 namespace {
 
-// Every interface, IPv4 and IPv6 alike: one IPv6 socket that also takes
-// IPv4 (as ::ffff:a.b.c.d, which PeerAddress writes as a.b.c.d), or, where
-// the host has no IPv6, an IPv4 one.
-Status ListenEverywhere(int port, int* fd, int* bound_port) {
-  int s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s >= 0) {
-    int one = 1, zero = 0;
-    setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-    struct sockaddr_in6 a;
-    std::memset(&a, 0, sizeof(a));
-    a.sin6_family = AF_INET6;
-    a.sin6_addr = in6addr_any;
-    a.sin6_port = htons(static_cast<uint16_t>(port));
-    if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-        listen(s, 128) == 0) {
-      socklen_t len = sizeof(a);
-      getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-      *bound_port = ntohs(a.sin6_port);
-      *fd = s;
-      return Status::Ok();
-    }
-    int err = errno;
-    close(s);
-    if (err != EAFNOSUPPORT && err != EADDRNOTAVAIL) {
-      return ErrnoStatus("listening on *:" + std::to_string(port), err);
-    }
+// A listening socket bound to `addr`; an IPv6 one with `dual_stack` takes
+// IPv4 peers too (as ::ffff:a.b.c.d, which PeerAddress writes as a.b.c.d).
+// `*err` gets the errno of a failure.
+Status BindAndListen(const sockaddr* addr, socklen_t len, bool dual_stack,
+                     const std::string& where, int* fd, int* bound_port,
+                     int* err) {
+  int s = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) {
+    *err = errno;
+    return ErrnoStatus("socket", *err);
   }
-  s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return ErrnoStatus("socket", errno);
-  int one = 1;
+  int one = 1, zero = 0;
   setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  struct sockaddr_in a;
-  std::memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      listen(s, 128) != 0) {
-    int err = errno;
+  if (dual_stack) setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+  if (bind(s, addr, len) != 0 || listen(s, 128) != 0) {
+    *err = errno;
     close(s);
-    return ErrnoStatus("listening on *:" + std::to_string(port), err);
+    return ErrnoStatus("listening on " + where, *err);
   }
-  socklen_t len = sizeof(a);
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  *bound_port = ntohs(a.sin_port);
+  struct sockaddr_storage bound;
+  socklen_t bound_len = sizeof(bound);
+  getsockname(s, reinterpret_cast<struct sockaddr*>(&bound), &bound_len);
+  *bound_port =
+      bound.ss_family == AF_INET6
+          ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+          : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   *fd = s;
   return Status::Ok();
+}
+
+// Every interface, IPv4 and IPv6 alike: one dual-stack IPv6 socket, or,
+// where the host has no IPv6, an IPv4 one.
+Status ListenEverywhere(int port, int* fd, int* bound_port) {
+  const std::string where = "*:" + std::to_string(port);
+  struct sockaddr_in6 any6;
+  std::memset(&any6, 0, sizeof(any6));
+  any6.sin6_family = AF_INET6;
+  any6.sin6_addr = in6addr_any;
+  any6.sin6_port = htons(static_cast<uint16_t>(port));
+  int err = 0;
+  Status s = BindAndListen(reinterpret_cast<sockaddr*>(&any6), sizeof(any6),
+                           /*dual_stack=*/true, where, fd, bound_port, &err);
+  if (s.ok() || (err != EAFNOSUPPORT && err != EADDRNOTAVAIL)) return s;
+  struct sockaddr_in any4;
+  std::memset(&any4, 0, sizeof(any4));
+  any4.sin_family = AF_INET;
+  any4.sin_addr.s_addr = htonl(INADDR_ANY);
+  any4.sin_port = htons(static_cast<uint16_t>(port));
+  return BindAndListen(reinterpret_cast<sockaddr*>(&any4), sizeof(any4),
+                       /*dual_stack=*/false, where, fd, bound_port, &err);
 }
 
 }  // namespace
@@ -248,30 +250,12 @@ Status Listen(const std::string& host, int port, int* fd, int* bound_port) {
   struct addrinfo* ai = nullptr;
   TF_RDMA_RETURN_IF_ERROR(Resolve(host, port, /*passive=*/true, &ai));
   Status last = Internal("no address to listen on for '" + host + "'");
+  int err = 0;
   for (struct addrinfo* p = ai; p != nullptr; p = p->ai_next) {
-    int s = socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC,
-                   p->ai_protocol);
-    if (s < 0) {
-      last = ErrnoStatus("socket", errno);
-      continue;
-    }
-    int one = 1;
-    setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(s, p->ai_addr, p->ai_addrlen) != 0 || listen(s, 128) != 0) {
-      last = ErrnoStatus("listening on " + host + ":" + std::to_string(port),
-                         errno);
-      close(s);
-      continue;
-    }
-    struct sockaddr_storage addr;
-    socklen_t len = sizeof(addr);
-    getsockname(s, reinterpret_cast<struct sockaddr*>(&addr), &len);
-    *bound_port = addr.ss_family == AF_INET6
-                      ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                      : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    *fd = s;
-    freeaddrinfo(ai);
-    return Status::Ok();
+    last = BindAndListen(p->ai_addr, p->ai_addrlen, /*dual_stack=*/false,
+                         host + ":" + std::to_string(port), fd, bound_port,
+                         &err);
+    if (last.ok()) break;
   }
   freeaddrinfo(ai);
   return last;
