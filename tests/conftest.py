@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.parse
@@ -675,6 +676,120 @@ def two_hosts():
     finally:
         for ns in created:  # removes the veth ends inside them too
             ip("netns", "del", ns, check=False)
+
+
+# ---------------------------------------------------------------------------
+# Emulated hosts: each its own network namespace (an "eth0" veth to a bridge
+# in the root namespace, an address from TEST-NET-2, 198.51.100.0/24, used
+# only inside these namespaces), its own mount namespace with a private
+# tmpfs on /dev/shm and an /etc/hosts that names every emulated host, and its
+# own hostname (a UTS namespace). Tasks name each other by host name in their
+# cluster, as on a real cluster. What they share is what hosts on one fabric
+# share: the file system (tests/softnic's directory of queue pairs, its
+# emulated fabric, included), the boot id and the process ids.
+
+HOSTS_NET = "198.51.100"
+
+
+class EmulatedHost:
+    """One emulated host.
+
+    Attributes:
+      name: Its host name, resolvable on every emulated host.
+      address: Its IPv4 address.
+      prefix: The argv that runs a program on it (spawn_task's `prefix`).
+      link: Its cable: the root-namespace end of its veth (set_link).
+    """
+
+    def __init__(self, index, tag, holder):
+        self.name = f"tfrdma-host{index}"
+        self.address = f"{HOSTS_NET}.{index + 1}"
+        self.netns = f"tfrdma-h{index}-{tag}"
+        self.link = f"tfh{index}{tag}"[:15]
+        self.holder = holder
+        self.prefix = ["nsenter", "-t", str(holder.pid) if holder else "0",
+                       "-n", "-m", "-u", "--"]
+
+    def set_link(self, up):
+        """Plugs (True) or unplugs (False) this host's cable."""
+        ip("link", "set", self.link, "up" if up else "down")
+
+    def __repr__(self):
+        return f"EmulatedHost({self.name}, {self.address})"
+
+
+@contextlib.contextmanager
+def emulated_hosts(count, shm_mib=512):
+    """Yields `count` EmulatedHosts on one bridge; removes them afterwards.
+
+    Skips the calling test, with the reason, where they cannot be made (not
+    root, no iproute2 or util-linux, no bridge or veth support).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("emulated hosts need root (network and mount namespaces)")
+    for tool in (IP, "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"emulated hosts need {tool} (iproute2, util-linux)")
+    tag = f"{os.getpid() % 1000}{random.randrange(16**3):03x}"
+    bridge = f"tfbr{tag}"
+    workdir = tempfile.mkdtemp(prefix="tfrdma-hosts-")
+    hosts_file = os.path.join(workdir, "hosts")
+    with open(hosts_file, "w") as f:
+        f.write("127.0.0.1 localhost\n::1 localhost ip6-localhost\n")
+        for i in range(count):
+            f.write(f"{HOSTS_NET}.{i + 1} tfrdma-host{i}\n")
+    hosts, bridged = [], False
+    try:
+        r = ip("link", "add", bridge, "type", "bridge", check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot create a bridge here: {r.stderr.strip()}")
+        bridged = True
+        ip("link", "set", bridge, "up")
+        for i in range(count):
+            host = EmulatedHost(i, tag, None)
+            r = ip("netns", "add", host.netns, check=False)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: "
+                            f"{r.stderr.strip()}")
+            hosts.append(host)
+            ip("link", "add", host.link, "type", "veth", "peer", "name",
+               "eth0", "netns", host.netns)
+            ip("link", "set", host.link, "master", bridge, "up")
+            ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev",
+               "eth0")
+            ip("-n", host.netns, "link", "set", "eth0", "up")
+            ip("-n", host.netns, "link", "set", "lo", "up")
+            setup = (f"hostname {host.name} && "
+                     f"mount -t tmpfs -o size={shm_mib}m tmpfs /dev/shm && "
+                     f"mount --bind {hosts_file} /etc/hosts && "
+                     f"echo ready && exec sleep 3600")
+            host.holder = subprocess.Popen(
+                [IP, "netns", "exec", host.netns, "unshare", "--uts",
+                 "--mount", "--propagation", "private", "sh", "-c", setup],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+            if host.holder.stdout.readline().strip() != "ready":
+                host.holder.wait(timeout=10)
+                pytest.skip(f"cannot make emulated host {host.name}: "
+                            f"{host.holder.stderr.read().strip()}")
+            host.prefix[2] = str(host.holder.pid)
+        yield hosts
+    finally:
+        for host in hosts:
+            if host.holder is not None:
+                kill_group(host.holder)
+                host.holder.wait()
+            ip("netns", "del", host.netns, check=False)
+        if bridged:
+            ip("link", "del", bridge, check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def pairs_and_transports(stderr):
+    """{(writer, reader): transport} from a task's engine log lines
+    ("tf_rdma[A]: A -> B uses shm")."""
+    return {(a, b): t for a, b, t in re.findall(
+        r"^tf_rdma\[[^\]]*\]: (\S+) -> (\S+) uses (\w+)$", stderr, re.M)}
 
 
 # ---------------------------------------------------------------------------

@@ -231,7 +231,7 @@ def test_timeouts_carry_the_peer_position():
     got = out[B].result
     recv = got["recv"]
     assert recv and "DeadlineExceeded" in recv["type"], got
-    assert "tensor 'x' (peer /job:worker/task:0, step 3)" in recv["message"], recv
+    assert "tensor 'x' (peer /job:worker/task:0 on 127.0.0.1, step 3)" in recv["message"], recv
     assert (f"waiting for the data; {A} has written step 2 of it and is not "
             "waiting to send it") in recv["message"], recv
     coll = got["collective"]
@@ -240,7 +240,7 @@ def test_timeouts_carry_the_peer_position():
     assert f"{A} has not started this collective" in coll["message"], coll
     send = out[A].result["send"]
     assert send and "DeadlineExceeded" in send["type"], send
-    assert "tensor 'h' (peer /job:worker/task:1, step 2)" in send["message"], send
+    assert "tensor 'h' (peer /job:worker/task:1 on 127.0.0.1, step 2)" in send["message"], send
     assert (f"release the slot it used at step 1; {B} has taken step 1 of it "
             "and is not waiting for it") in send["message"], send
     print(recv["message"], coll["message"], send["message"], sep="\n")

@@ -246,6 +246,7 @@ Status SlotSpec::Validate() const {
 
 std::string SlotSpec::Describe(uint64_t step) const {
   return "tensor '" + tensor_name + "' (peer " + peer +
+         (peer_host.empty() ? "" : " on " + peer_host) +
          (match_calls ? ", call " : ", step ") + std::to_string(step) + ")";
 }
 

@@ -417,6 +417,17 @@ std::vector<std::string> Engine::AllowedTransports() const {
   return out;
 }
 
+std::string Engine::PeerHost(const std::string& peer) const {
+  auto it = config_.peers.find(peer);
+  std::string host;
+  int port = 0;
+  if (it == config_.peers.end() ||
+      !SplitHostPort(it->second, &host, &port).ok()) {
+    return "";
+  }
+  return host;
+}
+
 int64_t Engine::TimeoutFor(const SlotSpec& spec) const {
   return spec.timeout_ms > 0 ? spec.timeout_ms : config_.timeout_ms;
 }

@@ -163,6 +163,9 @@ struct EngineConfig {
 struct SlotSpec {
   std::string tensor_name;
   std::string peer;        // the other end's task
+  // The peer's host as the cluster names it, for error messages; the
+  // engine fills it in its own copy when it makes the slot.
+  std::string peer_host;
   std::string region;      // the plan's region name
   std::string plan_hash;
   uint64_t region_bytes = 0;
@@ -184,8 +187,9 @@ struct SlotSpec {
   // Checks that the slot fits its region and its credit line fits the credit
   // region; the message names the values.
   Status Validate() const;
-  // "tensor 'x' (peer /job:worker/task:1, step 7)" for error messages; with
-  // match_calls, `step` is the call's id ("call 7").
+  // "tensor 'x' (peer /job:worker/task:1 on host-b, step 7)" for error
+  // messages (" on host" where peer_host is known); with match_calls, `step`
+  // is the call's id ("call 7").
   std::string Describe(uint64_t step) const;
 };
 
@@ -637,6 +641,9 @@ class Engine {
   Status CheckPeerAlive(const std::shared_ptr<Connection>& conn,
                         const std::string& what);
   int64_t TimeoutFor(const SlotSpec& spec) const;
+  // The host of `peer`'s endpoint address ("" for a task not in the
+  // cluster): what a slot's errors say the peer runs on.
+  std::string PeerHost(const std::string& peer) const;
   std::string HostId() const;
   // This end of a pair, for ChooseTransport: its setting, verbs device and
   // host identity.

@@ -34,6 +34,7 @@ Status Engine::ClaimRecv(const SlotSpec& spec, RecvTicket* ticket,
       region_kind_[spec.region] |= spec.match_calls ? kKindMatched : kKindInOrder;
       entry.reset(new RecvSlot());
       entry->spec = spec;
+      entry->spec.peer_host = PeerHost(spec.peer);
       entry->region.store(region, std::memory_order_release);
       recv_slot_list_.push_back(entry.get());
       recv_slots_made_.fetch_add(1, std::memory_order_release);

@@ -33,6 +33,7 @@ Status Engine::ClaimSend(const SlotSpec& spec, SendTicket* ticket,
       TF_RDMA_RETURN_IF_ERROR(CheckNewSlot(spec, config_.task));
       entry.reset(new SendSlot());
       entry->spec = spec;
+      entry->spec.peer_host = PeerHost(spec.peer);
       if (spec.match_calls) {
         entry->issued.assign(spec.depth, 0);
         entry->busy.assign(spec.depth, 0);

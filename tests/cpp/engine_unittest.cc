@@ -1507,6 +1507,9 @@ TEST(slot_describe) {
   s.match_calls = true;
   EXPECT_EQ(s.Describe(7),
             std::string("tensor 'x' (peer /job:worker/task:1, call 7)"));
+  s.peer_host = "node-b";  // what the engine fills in from the cluster
+  EXPECT_EQ(s.Describe(7),
+            std::string("tensor 'x' (peer /job:worker/task:1 on node-b, call 7)"));
 }
 
 // ---------------------------------------------------------------------------
