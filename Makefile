@@ -10,7 +10,7 @@ DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.tf_rdma-built
 SOURCES := $(shell find kernels tf_rdma graph_passes -name '*.cc' -o -name '*.h' -o -name '*.py' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: all install demo test test-fast bench bench-deps system-packages clean help fuzz softnic
+.PHONY: all install demo test test-fast bench bench-deps system-packages test-packages clean help fuzz softnic
 
 all: install
 
@@ -128,7 +128,21 @@ demo: install
 	$(VENV)/bin/tf-rdma launch -n 2 --ps 2 --coordinator -- $(VPY) examples/ps_strategy.py
 	$(VPY) examples/keras_digits.py --workers 2
 
-test: install
+# Slurm (slurm-wlm, munge) for the tests of `tf-rdma launch --slurm`, which
+# start a one-node Slurm cluster of their own (tests/test_slurm.py); tried
+# once, the tests skip with the reason without it. Not for `make demo`.
+SLURM_TRIED := build/.slurm-tried
+test-packages:
+	@if ! command -v slurmctld >/dev/null 2>&1 && [ ! -e $(SLURM_TRIED) ]; then \
+	  mkdir -p build && touch $(SLURM_TRIED); \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi; \
+	  echo "installing optional system packages for the tests: slurm-wlm munge"; \
+	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends slurm-wlm munge; } \
+	    || echo "slurm-wlm not installed: the Slurm tests will be skipped"; \
+	fi
+
+test: install test-packages
 	$(VPY) -m pytest -q
 
 # The edit-test loop: the graph passes, the plan, settings, cluster specs, the

@@ -41,7 +41,6 @@ well, both outside the kernel's range for outgoing connections' ports; see
 
 import argparse
 import collections
-import ctypes
 import json
 import os
 import re
@@ -49,24 +48,19 @@ import secrets
 import select
 import shlex
 import signal
-import site
 import subprocess
 import sys
 import threading
 import time
 
 from tf_rdma import _native, cluster as _cluster
+from tf_rdma.processes import (READY_PREFIX, TERM_GRACE_S, add_package_to_path, exit_status,
+                               parent_death_signal)
 from tf_rdma.errors import ConfigError, LibraryError
 from tf_rdma.subcommand import Command
 
 __all__ = ["main", "add_arguments", "run", "hides_tensorflow_notice", "forward_dropping_notices",
-           "cpu_shares", "COMMAND", "READY_PREFIX"]
-
-#: The line (prefix) a server prints on stdout once it is serving.
-READY_PREFIX = "tf_rdma server ready:"
-
-#: Seconds between SIGTERM and SIGKILL at teardown.
-TERM_GRACE_S = 10.0
+           "cpu_shares", "COMMAND"]
 
 #: How many of a server's last stderr lines are shown when it fails.
 _TAIL_LINES = 20
@@ -75,7 +69,9 @@ _PREFIX = "tf-rdma launch: "
 _SHM_DIR = "/dev/shm"
 
 _USAGE = ("%(prog)s [-h] -n N [--ps M [--coordinator] | --spmd] [--host HOST] "
-          "[--timeout-start S] [--bind {auto,none}] -- CMD [ARGS...]")
+          "[--timeout-start S] [--bind {auto,none}] -- CMD [ARGS...]\n"
+          "       srun ... %(prog)s --slurm [--port P] [--ps M [--coordinator] | --spmd] "
+          "[--timeout-start S] -- CMD [ARGS...]")
 
 _DESCRIPTION = """\
 Start a cluster of local tf_rdma servers and run a command against it.
@@ -108,6 +104,14 @@ thread pools to them, and tasks no longer take each other's cores (measured
 on 2 vCPUs: a small collective 25% faster, a training step 25% faster;
 docs/benchmarks.md).
 --bind none leaves them unbound.
+
+With --slurm, every task of an srun step runs this same command line and
+becomes one task of the cluster: the hosts are the step's nodes, the ports
+P, P+1, ... on each node (--port, default 8888), rank 0 runs CMD (the chief
+with --coordinator, else a client), ranks 1..M are the ps servers and the
+rest the worker servers; with --spmd every rank runs CMD as a worker. Rank 0
+starts CMD once every server is ready and the servers stop when it ends.
+Export TF_RDMA_SECRET before srun: the tasks share only their environment.
 """
 
 _EPILOG = """\
@@ -121,12 +125,16 @@ environment:
 
 exit status:
   CMD's exit status (128+N if CMD was killed by signal N), 130 if interrupted,
-  1 if the cluster failed to start, 2 for bad arguments, 127 if CMD was not found.
+  1 if the cluster failed to start, 2 for bad arguments (under --slurm also a step
+  it cannot use, or no TF_RDMA_SECRET), 127 if CMD was not found. Under --slurm
+  a server rank exits 0 when rank 0's command has ended.
 
 examples:
   tf-rdma launch -n 2 -- python -c "import os; print(os.environ['TF_CONFIG'])"
   tf-rdma launch -n 2 --ps 2 --coordinator -- python examples/ps_strategy.py
   tf-rdma launch --spmd -n 2 -- python train_with_rdma_strategy.py
+  srun -N 2 -n 4 tf-rdma launch --slurm --spmd -- python train_with_rdma_strategy.py
+  srun -N 2 -n 4 tf-rdma launch --slurm --ps 1 --coordinator -- python examples/ps_strategy.py
 """
 
 
@@ -172,8 +180,9 @@ def add_arguments(parser):
         dest="num_workers",
         metavar="N",
         type=_positive_int,
-        required=True,
-        help='number of worker tasks (job "worker"), at least 1',
+        default=None,
+        help='number of worker tasks (job "worker"), at least 1; required but '
+        'under --slurm, where the step\'s tasks say it',
     )
     parser.add_argument(
         "--ps",
@@ -194,6 +203,21 @@ def add_arguments(parser):
         action="store_true",
         help="run CMD once per worker task (TF_CONFIG names its task) instead "
         "of servers plus one client; for RdmaStrategy programs",
+    )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run as one task of an srun step: the cluster from Slurm's environment, "
+        "this task's role from its rank (rank 0 the command, then the ps tasks, then "
+        "the workers; with --spmd every rank runs the command); docs/deploy.md",
+    )
+    parser.add_argument(
+        "--port",
+        metavar="P",
+        type=_positive_int,
+        default=None,
+        help="with --slurm: the first gRPC port of each node, its tasks taking P, P+1, "
+        "...; default 8888",
     )
     parser.add_argument(
         "--host",
@@ -278,12 +302,25 @@ def run(args, parser=None):
         parser.error(f"--spmd runs one copy of the command per worker; --ps {args.num_ps} "
                      "has no place in it (drop --ps, or drop --spmd for a client-driven run)")
     coordinator = getattr(args, "coordinator", False)
+    slurm = getattr(args, "slurm", False)
+    if not slurm and getattr(args, "port", None) is not None:
+        parser.error("--port sets the ports of a --slurm cluster; without --slurm the "
+                     "launcher picks free ports itself")
+    if not slurm and args.num_workers is None:
+        parser.error("the following arguments are required: -n/--num-workers")
+    if slurm and (args.host != "127.0.0.1" or getattr(args, "bind", "auto") != "auto"):
+        parser.error("--host and --bind have no place under --slurm: the step's node "
+                     "names are the cluster's hosts, and Slurm binds CPUs (srun --cpu-bind)")
     if coordinator and spmd:
         parser.error("--coordinator runs one coordinator against servers; --spmd runs the "
                      "command once per worker without servers: choose one")
     if coordinator and not args.num_ps:
         parser.error("--coordinator runs the command as a ParameterServerStrategy "
                      "coordinator, which needs parameter servers: add --ps M (M >= 1)")
+    if slurm:
+        from tf_rdma import slurm as slurm_lib  # pylint: disable=g-import-not-at-top
+
+        return slurm_lib.run(args, command)
     try:
         launcher = _Launcher(
             num_workers=args.num_workers,
@@ -417,38 +454,6 @@ def _start_error(err, cpus):
     return (f"{err} (binding it to CPUs {_cpu_list(cpus)} failed: were they "
             f"taken offline or out of this launcher's set? --bind none "
             f"leaves the tasks unbound)")
-
-
-def _parent_death_signal():
-    """Returns a preexec_fn that makes a child get SIGTERM when the launcher dies.
-
-    So that a launcher killed with SIGKILL does not leave servers behind. Only
-    on Linux; elsewhere None.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec():
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _exit_status(returncode):
-    if returncode is None:
-        return 1
-    if returncode < 0:
-        return 128 - returncode
-    return returncode
 
 
 # TensorFlow's notices at start-up that it prints before its log level is
@@ -705,7 +710,7 @@ class _Launcher:
             self._restore_signals(previous)
 
     def _run(self):
-        preexec = _parent_death_signal()
+        preexec = parent_death_signal()
         base_env = dict(os.environ)
         base_env["TF_RDMA_SECRET"] = self.secret
         # What a user sees first is tf_rdma's lines, not TensorFlow's INFO
@@ -714,7 +719,7 @@ class _Launcher:
         shares = self._cpu_shares(base_env)
         server_env = dict(base_env)
         server_env["PYTHONUNBUFFERED"] = "1"
-        _add_package_to_path(server_env)
+        add_package_to_path(server_env)
         if self.spmd:
             return self._run_spmd(base_env, preexec, shares)
 
@@ -834,7 +839,7 @@ class _Launcher:
                         f"{server.task} exited with status "
                         f"{_describe_status(server.proc.returncode)}; stopping the other tasks",
                     )
-                    return _exit_status(server.proc.returncode)
+                    return exit_status(server.proc.returncode)
             if len(done) == len(self.servers):
                 return 0
             time.sleep(0.05)
@@ -898,14 +903,14 @@ class _Launcher:
                 returncode = None
             if returncode is not None:
                 self._join_command_output()
-                return _exit_status(returncode)
+                return exit_status(returncode)
             if self.signal is not None:
                 self.out.say(f"{_signal_name(self.signal)}: stopping the command and the cluster")
                 return self._signal_status()
             for server in self.servers:
                 if server.proc.poll() is not None:
                     if self.cmd.poll() is not None:
-                        return _exit_status(self.cmd.returncode)
+                        return exit_status(self.cmd.returncode)
                     server.join_output(2.0)
                     self._report_failure(
                         server,
@@ -1025,21 +1030,6 @@ def _describe_status(returncode):
     if returncode is not None and returncode < 0:
         return f"{128 - returncode} (killed by {_signal_name(-returncode)})"
     return str(returncode)
-
-
-def _add_package_to_path(env):
-    """Lets the servers import tf_rdma when it runs from a source tree."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        site_dirs = set(site.getsitepackages())
-        site_dirs.add(site.getusersitepackages())
-    except AttributeError:  # some virtualenv flavours lack these
-        site_dirs = set()
-    if package_parent in {os.path.abspath(d) for d in site_dirs}:
-        return  # installed: the servers find it like any other package
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if package_parent not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([package_parent] + paths)
 
 
 if __name__ == "__main__":

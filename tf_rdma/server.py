@@ -16,13 +16,13 @@ Run a server from the command line (tf-rdma launch does this)::
 
 import argparse
 import ctypes
-import os
 import signal
 import sys
 import threading
 
 from tf_rdma import _loader, _native, cluster as cluster_lib, settings
 from tf_rdma.errors import ConfigError, EndpointError
+from tf_rdma.processes import READY_PREFIX
 
 __all__ = ["Endpoint", "Server", "start_endpoint", "endpoint_info"]
 
@@ -306,7 +306,7 @@ def main(argv=None):
         print(f"tf_rdma server: {e}", file=sys.stderr)
         return 2
     grpc_address = server.target[len("grpc://"):]
-    print(f"tf_rdma server ready: {server.task} grpc={grpc_address} "
+    print(f"{READY_PREFIX} {server.task} grpc={grpc_address} "
           f"endpoint={server.endpoint.address}", flush=True)
     while not stop.wait(0.5):
         pass
