@@ -74,6 +74,10 @@ def test_address_only_prediction(host, kind, same, why):
     assert c["same_host"] is same
     assert c["transport"] == ("shm" if same else "tcp")
     assert why in c["host_reason"]
+    # One host by the addresses says nothing of /dev/shm: the prediction
+    # names what the handshake does where each end has its own.
+    assert c["fallback"] == ("tcp" if same else None)
+    assert ("which the handshake checks" in c["reason"]) is same, c["reason"]
 
 
 def test_address_rule_details():

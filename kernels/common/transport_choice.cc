@@ -259,6 +259,14 @@ TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
   };
   c.transport = pick(verbs_possible);
   if (c.transport == "verbs" && !verbs_sure) c.fallback = pick(false);
+  const bool identified = chooser.identified && peer.identified;
+  if (c.transport == "shm" && !identified) {
+    // One host by the addresses, but containers with the host's network
+    // have a /dev/shm each: the handshake compares them.
+    c.shared_shm = false;
+    c.fallback = pick(verbs_possible);
+    c.shared_shm = true;
+  }
 
   if (c.transport.empty()) {
     c.reason = "no common transport: " + NameOf(peer, "the peer") +
@@ -295,8 +303,13 @@ TransportChoice ChooseTransport(const PairEnd& chooser, const PairEnd& peer) {
                     ? ", but tcp comes before shm in the transports allowed"
                     : ", but shm is not among the transports both ends "
                       "allow");
-  } else if (c.transport == "shm" && chooser.identified && peer.identified) {
+  } else if (c.transport == "shm" && identified) {
     c.reason = c.host_reason + ", and one /dev/shm";
+  } else if (c.transport == "shm") {
+    c.reason = c.host_reason + "; shm if both ends see one /dev/shm, which "
+               "the handshake checks (containers with the host's network "
+               "have one each), else " +
+               (c.fallback.empty() ? "no transport" : c.fallback);
   } else {
     c.reason = c.host_reason;
   }

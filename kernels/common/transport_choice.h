@@ -98,7 +98,9 @@ struct PairEnd {
 struct TransportChoice {
   std::string transport;  // "verbs", "shm", "tcp"; "" when none fits
   // When `transport` is verbs but an end's verbs is not known: the transport
-  // the pair uses if it has no device after all ("" if none would fit).
+  // the pair uses if it has no device after all; when it is shm but an end's
+  // /dev/shm is not known (a prediction): the transport the pair uses if the
+  // two ends have a /dev/shm each. "" if none would fit.
   std::string fallback;
   bool same_host = false;
   // Whether the two ends see one /dev/shm: when both are identified, their

@@ -197,6 +197,10 @@ int Engine::PredictTransports() {
       line += t + (t == "shm"               ? " (same host)"
                    : expected.same_host ? ""
                                         : " (another host)");
+      if (t == "shm" && !expected.fallback.empty()) {
+        line += ", or " + expected.fallback + " if the peer has a /dev/shm "
+                "of its own";
+      }
     }
     Log(line);
   }
