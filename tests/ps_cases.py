@@ -114,7 +114,7 @@ def train_sync(coordinator, step, args, steps=STEPS):
     return losses
 
 
-def compare(name, make, coordinator, args_of, extra=None):
+def compare(name, make, coordinator, args_of, extra=None, steps=STEPS):
     """Trains two copies (plain, rewritten) one step at a time; one RESULT.
 
     ``make()`` returns (step function, variables to compare, init hook);
@@ -125,9 +125,9 @@ def compare(name, make, coordinator, args_of, extra=None):
     for a, b in zip(rdma_vars, plain_vars):
         a.assign(b.read_value() if hasattr(b, "read_value") else b)
     rdma_step = tf_rdma.rewrite(rdma_fn, timeout=OP_TIMEOUT)
-    plain_losses = train_sync(coordinator, plain_step, args_of())
+    plain_losses = train_sync(coordinator, plain_step, args_of(), steps)
     before = snapshot()
-    rdma_losses = train_sync(coordinator, rdma_step, args_of())
+    rdma_losses = train_sync(coordinator, rdma_step, args_of(), steps)
     after = snapshot()
     planned = {a.caller_task: a.plan.bytes_per_step for a in rdma_step.analyses}
     report = {
@@ -142,7 +142,7 @@ def compare(name, make, coordinator, args_of, extra=None):
         "kept": sorted({e.reason for a in rdma_step.analyses for e in a.edges
                         if e.kind == "kept"}),
         "sent": moved(before, after),
-        "steps": STEPS,
+        "steps": steps,
     }
     if extra:
         report.update(extra(rdma_step, rdma_vars, before, after))
@@ -300,6 +300,82 @@ def case_sharded_min_size():
         tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=64 << 10, max_shards=len(PS_TASKS)),
         vocab=20000, dim=16)
+
+
+#: Real networks in small configurations (Keras 2's applications where they
+#: exist; 32x32 images, batch 8): batch normalization (its moving averages
+#: updated on the ps), hundreds of variables of mixed sizes, recurrent state,
+#: attention with dropout. InceptionV3 is left out: plain PSS itself does not
+#: train it the same way twice here (the first copy of it a process trains
+#: differs from the later ones at the second step, with or without
+#: TF_DETERMINISTIC_OPS), so it cannot be an oracle bit for bit.
+APPLICATIONS = ("mobilenet_v2", "resnet50", "vgg16", "lstm", "transformer")
+APP_STEPS, APP_BATCH, APP_ROWS, TOKENS, VOCAB = 3, 8, 64, 20, 1000
+
+
+def _application(name, keras):
+    apps, layers = keras.applications, keras.layers
+    if name == "mobilenet_v2":
+        return apps.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
+    if name == "resnet50":
+        return apps.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10)
+    if name == "vgg16":
+        return apps.VGG16(input_shape=(32, 32, 3), weights=None, classes=10)
+    if name == "lstm":
+        return keras.Sequential([layers.Embedding(VOCAB, 64, input_length=TOKENS),
+                                 layers.LSTM(128), layers.Dense(10)])
+    tokens = keras.Input((TOKENS,), dtype="int32")  # a 2-layer Transformer encoder
+    h = layers.Embedding(VOCAB, 64)(tokens)
+    for _ in range(2):
+        attended = layers.MultiHeadAttention(4, 16, dropout=0.1)(h, h)
+        h = layers.LayerNormalization()(h + layers.Dropout(0.1)(attended))
+        h = layers.LayerNormalization()(
+            h + layers.Dense(64)(layers.Dense(128, activation="relu")(h)))
+    return keras.Model(tokens, layers.Dense(10)(layers.GlobalAveragePooling1D()(h)))
+
+
+def case_applications():
+    """Each of APPLICATIONS, plain and rewritten: one RESULT per model."""
+    import tf_keras as keras
+
+    strategy, coordinator = strategy_with()
+    rng = np.random.RandomState(0)
+    images = rng.normal(size=(APP_ROWS, 32, 32, 3)).astype(np.float32)
+    tokens = rng.randint(0, VOCAB, size=(APP_ROWS, TOKENS)).astype(np.int32)
+    labels = rng.randint(0, 10, size=APP_ROWS).astype(np.int32)
+
+    def whole(x):
+        return lambda: tf.data.Dataset.from_tensors((x, labels)).repeat()
+
+    for name in APPLICATIONS:
+        iterator = iter(coordinator.create_per_worker_dataset(
+            whole(tokens if name in ("lstm", "transformer") else images)))
+
+        def make(name=name):
+            tf.random.set_seed(3)  # dropout: the same op seeds in both copies
+            with strategy.scope():
+                model = _application(name, keras)
+                optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+                optimizer.build(model.trainable_variables)
+                counter = tf.Variable(0, dtype=tf.int32)
+
+            def replica_fn(x_all, y_all):
+                k = counter.assign_add(1, read_value=True) - 1
+                rows = tf.range(APP_BATCH) + (k * APP_BATCH) % (APP_ROWS - APP_BATCH)
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                        tf.gather(y_all, rows), model(tf.gather(x_all, rows), training=True)))
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+
+            @tf.function
+            def step(it):
+                return strategy.run(replica_fn, args=next(it))
+            return step, model.variables + optimizer.variables() + [counter]
+
+        compare(f"app_{name}", make, coordinator, lambda it=iterator: (it,),
+                steps=APP_STEPS)
 
 
 def case_keras_fit():

@@ -12,7 +12,6 @@ where there is no RDMA device) the MLP and the asynchronous case. A second
 shm cluster with 4 workers runs the asynchronous case.
 """
 
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 OP_TIMEOUT_S = 30
 PROGRAM = os.path.join(REPO, "tests", "ps_cases.py")
 ALL_CASES = ["mlp", "keras_adam", "sharded_fixed", "sharded_min_size",
-             "keras_fit", "async"]
+             "keras_fit", "async", "applications"]
 CASES = {"shm": ALL_CASES, "tcp": ["mlp", "async"], "verbs": ["mlp", "async"]}
 CHIEF = "/job:chief/task:0"
 
@@ -129,6 +128,27 @@ def test_sharded_variables_and_embedding_equal_plain(outcome, name):
     row_traffic = found["bytes_per_step"] - found["static_bytes_per_step"]
     assert row_traffic <= 32 * (64 + 8) * 2 * 2, found
     assert found["table_bytes"] >= 100 * row_traffic, found
+
+
+@on_shm
+@pytest.mark.parametrize("model", ["mobilenet_v2", "resnet50", "vgg16", "lstm",
+                                   "transformer"])
+def test_real_networks_equal_plain(outcome, model):
+    """Keras 2 applications, a recurrent and an attention model (three
+    steps each, random labels: the loss need not fall)."""
+    found = case_of(outcome, f"app_{model}")
+    assert found["losses_identical"] and found["weights_identical"], found
+    assert found["client_tasks"] == [CHIEF] and found["kept"] == [], found
+    assert found["callers"] and set(found["callers"]) <= set(workers(2)), found
+    if model not in ("lstm", "transformer"):
+        check_moved_as_planned(found)
+        return
+    # The embedding's looked-up rows and their gradients move on the dynamic
+    # path, beyond the plans' static bytes: at most a batch of 8 x 20 ids
+    # of 64 float32 each way (ps_cases.APP_BATCH, TOKENS), with their ids.
+    planned = found["steps"] * next(iter(found["planned_bytes_per_step"].values()))
+    sent = sum(found["sent"].values())
+    assert planned < sent <= planned + found["steps"] * 2 * 8 * 20 * (64 * 4 + 8), found
 
 
 @on_shm
