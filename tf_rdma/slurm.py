@@ -240,7 +240,6 @@ def layout(step, num_ps=0, coordinator=False, spmd=False, port=DEFAULT_PORT):
     Raises:
         ConfigError: The step has too few tasks for the roles, or a port out of range.
     """
-    roles = []
     if spmd:
         roles = [("worker", r) for r in range(step.size)]
     else:
