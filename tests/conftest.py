@@ -9,6 +9,7 @@ No test can hang: a timeout kills the whole process group.
 
 import contextlib
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ import textwrap
 import time
 import urllib.parse
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -676,6 +678,126 @@ def two_hosts():
     finally:
         for ns in created:  # removes the veth ends inside them too
             ip("netns", "del", ns, check=False)
+
+
+# ---------------------------------------------------------------------------
+# A two-task exchange (tests/test_chaos.py, tests/test_many_hosts.py): worker:0
+# and worker:1 send each other a tensor per step, each checked by its SHA-256,
+# under whatever condition the test makes (a bad network, a stopped task, an
+# unplugged host).
+
+EXCHANGE_TASKS = ("worker:0", "worker:1")
+EXCHANGE_PEER_OF = {"worker:0": "/job:worker/task:1", "worker:1": "/job:worker/task:0"}
+
+# The exchange's set-up: the plan, the payloads, the endpoint.
+EXCHANGE = """
+import hashlib
+N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
+plan = tf_rdma.Plan([
+    tf_rdma.Transfer("a2b", "worker:0", "worker:1", "float32", [N]),
+    tf_rdma.Transfer("b2a", "worker:1", "worker:0", "float32", [N]),
+], name="chaos", depth=2)
+def payload(sender, step):
+    return np.random.default_rng(1000 * sender + step).standard_normal(N, dtype=np.float32)
+listen = os.environ.get("TEST_LISTEN_" + task.replace(":", "_"))
+ep = start(listen=listen) if listen else start()
+me = int(task.rsplit(":", 1)[1])
+out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
+"""
+# Each task sends its tensor, then receives the other's, STEPS times. It
+# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
+# the test's "go" (so the test acts between two steps however fast they
+# run); on the first failing op it reports the error with the op's key,
+# step and duration.
+EXCHANGE_PROGRAM = EXCHANGE + """
+pause_after = int(os.environ.get("TEST_PAUSE_AFTER_STEP", "0"))
+digests, failure = [], None
+t0 = time.monotonic()
+for step in range(1, STEPS + 1):
+    value = tf.constant(payload(me, step))  # made before the op is timed
+    error = error_of(lambda: tf_rdma.ops.send(value, plan, out_key))
+    if error:
+        failure = dict(error, key=out_key, step=step)
+        break
+    got = []
+    error = error_of(lambda: got.append(tf_rdma.ops.recv(plan, in_key).numpy()))
+    if error:
+        failure = dict(error, key=in_key, step=step)
+        break
+    digests.append(hashlib.sha256(got.pop().tobytes()).hexdigest())
+    touch(f"{task}-step{step}")
+    if step == pause_after:  # the test acts (stops a task, cuts the path)
+        wait_file("go", timeout=120)
+result({"digests": digests, "failure": failure, "seconds": time.monotonic() - t0})
+"""
+
+
+def payload_digest(sender, step, n):
+    values = np.random.default_rng(1000 * sender + step).standard_normal(n, dtype=np.float32)
+    return hashlib.sha256(values.tobytes()).hexdigest()
+
+
+def run_exchange(tmp_path, cluster, *, elements, steps, timeout_s, transport="tcp",
+                 prefixes=None, listen=None, during=None, pause_after=0, budget=150):
+    """Runs EXCHANGE_PROGRAM on both tasks; `during(procs)` runs while they do.
+
+    With `pause_after`, both tasks wait after that step until `during`
+    touches "go" in tmp_path.
+    """
+    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": transport,
+           "TF_RDMA_TIMEOUT": str(timeout_s), "TEST_ELEMENTS": str(elements),
+           "TEST_STEPS": str(steps), "TEST_PAUSE_AFTER_STEP": str(pause_after)}
+    for task, address in (listen or {}).items():
+        env["TEST_LISTEN_" + task.replace(":", "_")] = address
+    procs = {t: spawn_task(t, EXCHANGE_PROGRAM, cluster, env, prefix=(prefixes or {}).get(t, ()))
+             for t in EXCHANGE_TASKS}
+    try:
+        if during is not None:
+            during(procs)
+        out = collect(procs, timeout=budget)
+    finally:
+        for p in procs.values():
+            kill_group(p)
+    for r in out.values():
+        assert r.returncode == 0, r.describe()
+    return {t: r.result for t, r in out.items()}
+
+
+def assert_exchange_contract(results, *, elements, steps, timeout_s, stopped=None, stop_s=0.0,
+                     must_fail=()):
+    """Correct results on every task, or its first failing op raised a
+    DeadlineExceeded or Unavailable error naming the tensor, the peer task
+    and the step, no later than timeout + 1 s after the op started (for the
+    task that was itself `stopped`, after its stop of `stop_s` ended)."""
+    for task, r in results.items():
+        me = int(task.rsplit(":", 1)[1])
+        expected = [payload_digest(1 - me, s, elements) for s in range(1, steps + 1)]
+        done = len(r["digests"])
+        assert r["digests"] == expected[:done], f"{task} received wrong bytes"
+        failure = r["failure"]
+        if failure is None:
+            assert done == steps, r
+            assert task not in must_fail, f"{task} was expected to fail: {r}"
+            continue
+        assert failure["type"] in ("DeadlineExceededError", "UnavailableError"), (task, failure)
+        message = failure["message"]
+        for part in (f"'{failure['key']}'", EXCHANGE_PEER_OF[task], f"step {failure['step']}"):
+            assert part in message, (task, part, failure)
+        bound = timeout_s + 1.0 + (stop_s if task == stopped else 0.0)
+        assert failure["elapsed_s"] <= bound, (task, bound, failure)
+
+
+def wait_for_step(tmp_path, procs, tasks, step):
+    """Waits until every task in `tasks` reported `step` (bounded)."""
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"{t}-step{step}").exists() for t in tasks):
+        for t, p in procs.items():
+            if p.poll() is not None:
+                out = collect(procs, timeout=30)
+                pytest.fail(f"{t} exited before step {step}\n" +
+                            "\n".join(r.describe() for r in out.values()))
+        assert time.monotonic() < deadline, f"step {step} never finished"
+        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------------------

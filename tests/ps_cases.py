@@ -105,6 +105,24 @@ def bits(values):
     return [np.asarray(v).reshape(-1).view(np.uint8).tobytes().hex() for v in values]
 
 
+def keras_step(strategy, model, optimizer, batch, training=None):
+    """The step of a Keras model on per-worker input: the cross-entropy of
+    the rows ``batch(x_all, y_all)`` picks, and the optimizer's update."""
+    def replica_fn(x_all, y_all):
+        x, y = batch(x_all, y_all)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, model(x, training=training)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(it):
+        return strategy.run(replica_fn, args=next(it))
+    return step
+
+
 def train_sync(coordinator, step, args, steps=STEPS):
     losses = []
     for _ in range(steps):
@@ -206,18 +224,8 @@ def case_keras_adam():
             optimizer.build(model.trainable_variables)
             counter = tf.Variable(0, dtype=tf.int32)
 
-        def replica_fn(x_all, y_all):
-            x, y = batch_at(x_all, y_all, counter)
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(
-                    tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        @tf.function
-        def step(it):
-            return strategy.run(replica_fn, args=next(it))
+        step = keras_step(strategy, model, optimizer,
+                          lambda x_all, y_all: batch_at(x_all, y_all, counter))
         return step, model.variables + optimizer.variables() + [counter]
 
     def devices(rdma_step, variables, before, after):
@@ -359,19 +367,12 @@ def case_applications():
                 optimizer.build(model.trainable_variables)
                 counter = tf.Variable(0, dtype=tf.int32)
 
-            def replica_fn(x_all, y_all):
+            def batch(x_all, y_all):
                 k = counter.assign_add(1, read_value=True) - 1
                 rows = tf.range(APP_BATCH) + (k * APP_BATCH) % (APP_ROWS - APP_BATCH)
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                        tf.gather(y_all, rows), model(tf.gather(x_all, rows), training=True)))
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
-                return loss
+                return tf.gather(x_all, rows), tf.gather(y_all, rows)
 
-            @tf.function
-            def step(it):
-                return strategy.run(replica_fn, args=next(it))
+            step = keras_step(strategy, model, optimizer, batch, training=True)
             return step, model.variables + optimizer.variables() + [counter]
 
         compare(f"app_{name}", make, coordinator, lambda it=iterator: (it,),

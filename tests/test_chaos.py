@@ -22,14 +22,13 @@ at a time:
   longer (the other task's error names the stopped one within
   timeout + 1 s; the stopped one fails when it resumes).
 
-The contract checked in every run (`_assert_contract`): each task either
+The contract checked in every run (`conftest.assert_exchange_contract`): each task either
 finished every step with the right bytes, or its first failing op raised a
 DeadlineExceeded or Unavailable error naming the tensor, the peer task and
 the step, no later than timeout + 1 s after the op started (for a task that
 was itself stopped, after the stop ended).
 """
 
-import hashlib
 import os
 import random
 import signal
@@ -39,130 +38,17 @@ import subprocess
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from conftest import IP, collect, kill_group, make_cluster, spawn_task
+from conftest import (EXCHANGE, EXCHANGE_TASKS, IP, assert_exchange_contract, collect,
+                      kill_group, make_cluster, payload_digest, run_exchange, spawn_task,
+                      wait_for_step)
 from tf_rdma import cluster as cluster_lib
 
 pytestmark = pytest.mark.timeout(240)
 
 TC = "/usr/sbin/tc"
-TASKS = ("worker:0", "worker:1")
-PEER_OF = {"worker:0": "/job:worker/task:1", "worker:1": "/job:worker/task:0"}
-OUT_KEY = {"worker:0": "a2b", "worker:1": "b2a"}
-
-# The exchange's set-up: the plan, the payloads, the endpoint.
-EXCHANGE = """
-import hashlib
-N, STEPS = int(os.environ["TEST_ELEMENTS"]), int(os.environ["TEST_STEPS"])
-plan = tf_rdma.Plan([
-    tf_rdma.Transfer("a2b", "worker:0", "worker:1", "float32", [N]),
-    tf_rdma.Transfer("b2a", "worker:1", "worker:0", "float32", [N]),
-], name="chaos", depth=2)
-def payload(sender, step):
-    return np.random.default_rng(1000 * sender + step).standard_normal(N, dtype=np.float32)
-listen = os.environ.get("TEST_LISTEN_" + task.replace(":", "_"))
-ep = start(listen=listen) if listen else start()
-me = int(task.rsplit(":", 1)[1])
-out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
-"""
-# Each task sends its tensor, then receives the other's, STEPS times. It
-# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
-# the test's "go" (so the test acts between two steps however fast they
-# run); on the first failing op it reports the error with the op's key,
-# step and duration.
-# Each task sends its tensor, then receives the other's, STEPS times. It
-# reports after every step and, with TEST_PAUSE_AFTER_STEP, waits there for
-# the test's "go" (so the test acts between two steps however fast they
-# run); on the first failing op it reports the error with the op's key,
-# step and duration.
-PROGRAM = EXCHANGE + """
-pause_after = int(os.environ.get("TEST_PAUSE_AFTER_STEP", "0"))
-digests, failure = [], None
-t0 = time.monotonic()
-for step in range(1, STEPS + 1):
-    value = tf.constant(payload(me, step))  # made before the op is timed
-    error = error_of(lambda: tf_rdma.ops.send(value, plan, out_key))
-    if error:
-        failure = dict(error, key=out_key, step=step)
-        break
-    got = []
-    error = error_of(lambda: got.append(tf_rdma.ops.recv(plan, in_key).numpy()))
-    if error:
-        failure = dict(error, key=in_key, step=step)
-        break
-    digests.append(hashlib.sha256(got.pop().tobytes()).hexdigest())
-    touch(f"{task}-step{step}")
-    if step == pause_after:  # the test acts (stops a task, cuts the path)
-        wait_file("go", timeout=120)
-result({"digests": digests, "failure": failure, "seconds": time.monotonic() - t0})
-"""
-
-
-def payload_digest(sender, step, n):
-    values = np.random.default_rng(1000 * sender + step).standard_normal(n, dtype=np.float32)
-    return hashlib.sha256(values.tobytes()).hexdigest()
-
-
-def run_exchange(tmp_path, cluster, *, elements, steps, timeout_s, prefixes=None,
-                 listen=None, during=None, pause_after=0, budget=150):
-    """Runs PROGRAM on both tasks; `during(procs)` runs while they do.
-
-    With `pause_after`, both tasks wait after that step until `during`
-    touches "go" in tmp_path.
-    """
-    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "tcp",
-           "TF_RDMA_TIMEOUT": str(timeout_s), "TEST_ELEMENTS": str(elements),
-           "TEST_STEPS": str(steps), "TEST_PAUSE_AFTER_STEP": str(pause_after)}
-    for task, address in (listen or {}).items():
-        env["TEST_LISTEN_" + task.replace(":", "_")] = address
-    procs = {t: spawn_task(t, PROGRAM, cluster, env, prefix=(prefixes or {}).get(t, ()))
-             for t in TASKS}
-    try:
-        if during is not None:
-            during(procs)
-        out = collect(procs, timeout=budget)
-    finally:
-        for p in procs.values():
-            kill_group(p)
-    for r in out.values():
-        assert r.returncode == 0, r.describe()
-    return {t: r.result for t, r in out.items()}
-
-
-def _assert_contract(results, *, elements, steps, timeout_s, stopped=None, stop_s=0.0,
-                     must_fail=()):
-    """Correct results or a clear, timely error on every task (module docstring)."""
-    for task, r in results.items():
-        me = int(task.rsplit(":", 1)[1])
-        expected = [payload_digest(1 - me, s, elements) for s in range(1, steps + 1)]
-        done = len(r["digests"])
-        assert r["digests"] == expected[:done], f"{task} received wrong bytes"
-        failure = r["failure"]
-        if failure is None:
-            assert done == steps, r
-            assert task not in must_fail, f"{task} was expected to fail: {r}"
-            continue
-        assert failure["type"] in ("DeadlineExceededError", "UnavailableError"), (task, failure)
-        message = failure["message"]
-        for part in (f"'{failure['key']}'", PEER_OF[task], f"step {failure['step']}"):
-            assert part in message, (task, part, failure)
-        bound = timeout_s + 1.0 + (stop_s if task == stopped else 0.0)
-        assert failure["elapsed_s"] <= bound, (task, bound, failure)
-
-
-def wait_for_step(tmp_path, procs, tasks, step):
-    """Waits until every task in `tasks` reported `step` (bounded)."""
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"{t}-step{step}").exists() for t in tasks):
-        for t, p in procs.items():
-            if p.poll() is not None:
-                out = collect(procs, timeout=30)
-                pytest.fail(f"{t} exited before step {step}\n" +
-                            "\n".join(r.describe() for r in out.values()))
-        assert time.monotonic() < deadline, f"step {step} never finished"
-        time.sleep(0.02)
+TASKS = EXCHANGE_TASKS
 
 
 # --------------------------------------------------------------------------- tc between namespaces
@@ -207,7 +93,7 @@ def test_netem(two_hosts, tmp_path, condition):
     cluster, prefixes = netns_cluster(two_hosts)
     shape = dict(elements=1 << 18, steps=5, timeout_s=20)
     results = run_exchange(tmp_path, cluster, prefixes=prefixes, **shape)
-    _assert_contract(results, **shape)
+    assert_exchange_contract(results, **shape)
     for task, r in results.items():
         assert r["failure"] is None, (condition, task, r)
 
@@ -220,7 +106,7 @@ def test_bandwidth_cap_slows_but_delivers(two_hosts, tmp_path):
     cluster, prefixes = netns_cluster(two_hosts)
     shape = dict(elements=1 << 18, steps=5, timeout_s=20)  # 1 MiB a step, each way
     results = run_exchange(tmp_path, cluster, prefixes=prefixes, **shape)
-    _assert_contract(results, **shape)
+    assert_exchange_contract(results, **shape)
     each_way = shape["steps"] * shape["elements"] * 4
     for task, r in results.items():
         assert r["failure"] is None, (task, r)
@@ -234,7 +120,7 @@ def test_bandwidth_cap_below_what_the_timeout_needs(two_hosts, tmp_path):
     # 16 MiB each way takes ~8 s at the cap; the timeout is 3 s.
     shape = dict(elements=1 << 22, steps=2, timeout_s=3)
     results = run_exchange(tmp_path, cluster, prefixes=prefixes, **shape)
-    _assert_contract(results, **shape, must_fail=TASKS)
+    assert_exchange_contract(results, **shape, must_fail=TASKS)
 
 
 # --------------------------------------------------------------------------- a proxy on the path
@@ -300,10 +186,16 @@ class DelayProxy:
 
 
 def proxied_cluster():
-    """A cluster whose endpoint addresses are proxies; the tasks listen elsewhere."""
-    cluster = make_cluster(2)
+    """A cluster whose endpoint addresses are proxies; the tasks listen elsewhere.
+
+    One free_ports call picks the cluster's ports and the tasks' own: ports
+    of separate calls may coincide (each is free only until something binds
+    it), and a task's port equal to a proxy's fails its endpoint.
+    """
+    ports = cluster_lib.free_ports(4)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:2]]}
     endpoints = cluster_lib.endpoints(cluster)
-    real_ports = cluster_lib.free_ports(2)  # only their own ports are used
+    real_ports = ports[2:]  # only their own ports are used
     listen = {t: f"127.0.0.1:{p}" for t, p in zip(TASKS, real_ports)}
     proxy_ports = {t: int(endpoints[f"/job:worker/task:{i}"].rsplit(":", 1)[1])
                    for i, t in enumerate(TASKS)}
@@ -330,7 +222,7 @@ def test_delay_proxy(tmp_path, partition):
     finally:
         for p in proxies:
             p.close()
-    _assert_contract(results, **shape, must_fail=TASKS if partition else ())
+    assert_exchange_contract(results, **shape, must_fail=TASKS if partition else ())
     if partition:
         for r in results.values():
             assert r["failure"]["step"] == 3, r
@@ -437,7 +329,7 @@ def test_sigstop(tmp_path, stop_s, timeout_s):
     results = run_exchange(tmp_path, make_cluster(2), during=stop_worker_1,
                            pause_after=2, **shape)
     longer = stop_s > timeout_s
-    _assert_contract(results, **shape, stopped="worker:1", stop_s=stop_s,
+    assert_exchange_contract(results, **shape, stopped="worker:1", stop_s=stop_s,
                      must_fail=("worker:0",) if longer else ())
     if not longer:
         for r in results.values():

@@ -30,7 +30,6 @@ Skips, with the reason, where the namespaces cannot be made (not root, no
 iproute2 or util-linux, no bridge).
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -40,9 +39,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, base_env, collect, emulated_hosts, kill_group,
-                      make_cluster, pairs_and_transports, require_verbs,
-                      spawn_task, stop_servers)
+from conftest import (EXCHANGE_TASKS, REPO, assert_exchange_contract, base_env,
+                      collect, emulated_hosts, make_cluster, pairs_and_transports,
+                      require_verbs, run_exchange, spawn_task, stop_servers,
+                      wait_for_step)
 from tf_rdma.collectives import ALGORITHMS
 
 pytestmark = pytest.mark.timeout(420)
@@ -300,98 +300,47 @@ def test_parameter_server_example_across_hosts(hosts, tmp_path):
 # ---------------------------------------------------------------------------
 # A host's cable unplugged: briefly, and for good.
 
-N = 262144  # 1 MiB of float32
-STEPS = 6
-
-EXCHANGE = f"""
-N, STEPS = {N}, {STEPS}
-def payload(sender, step):
-    return np.random.default_rng(1000 * sender + step).standard_normal(
-        N, dtype=np.float32)
-plan = tf_rdma.Plan([
-    tf_rdma.Transfer("a2b", "worker:0", "worker:1", "float32", [N]),
-    tf_rdma.Transfer("b2a", "worker:1", "worker:0", "float32", [N]),
-])
-ep = start()
-me = int(task.rsplit(":", 1)[1])
-out_key, in_key = ("a2b", "b2a") if me == 0 else ("b2a", "a2b")
-digests = []
-def exchange(step):
-    tf_rdma.ops.send(tf.constant(payload(me, step)), plan, out_key)
-    got = tf_rdma.ops.recv(plan, in_key).numpy()
-    digests.append(hashlib.sha256(got.tobytes()).hexdigest())
-import hashlib
-for step in range(1, STEPS + 1):
-    if step == 3:
-        touch(f"{{me}}.at3")
-        wait_file("unplugged")
-    err = error_of(lambda: exchange(step))
-    if err:
-        result({{"digests": digests, "error": err, "step": step}})
-        sys.exit(0)
-result({{"digests": digests, "error": None}})
-"""
+ELEMENTS, STEPS = 262144, 6  # 1 MiB of float32 each way a step
 
 
-def _unplug_during_exchange(hosts, tmp_path, timeout_s, plugged_after):
-    """Workers 0 and 1 on hosts 0 and 1 exchange STEPS tensors; before the
-    third, host 1's cable is unplugged (and plugged back after
-    `plugged_after` seconds, None: never). Returns {task: result}."""
+def _unplug_host_1(hosts, tmp_path, timeout_s, plugged_after):
+    """Workers 0 and 1, on hosts 0 and 1, exchange STEPS tensors; after the
+    second, host 1's cable is unplugged (and plugged back after
+    `plugged_after` seconds; None: never). Their results, checked against
+    conftest.assert_exchange_contract."""
     port = int(_port_base())
     cluster = {"worker": [f"{hosts[0].name}:{port}", f"{hosts[1].name}:{port}"]}
-    env = {"TEST_SYNC_DIR": str(tmp_path), "TF_RDMA_TRANSPORT": "auto",
-           "TF_RDMA_TIMEOUT": str(timeout_s)}
-    procs = {f"worker:{i}": spawn_task(f"worker:{i}", EXCHANGE, cluster, env,
-                                       prefix=hosts[i].prefix)
-             for i in range(2)}
-    try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"{i}.at3").exists() for i in range(2)):
-            if time.monotonic() > deadline or any(
-                    p.poll() is not None for p in procs.values()):
-                break
-            time.sleep(0.05)
+    shape = dict(elements=ELEMENTS, steps=STEPS, timeout_s=timeout_s)
+
+    def unplug(procs):
+        wait_for_step(tmp_path, procs, EXCHANGE_TASKS, 2)
         hosts[1].set_link(False)
-        (tmp_path / "unplugged").write_text("1")
+        (tmp_path / "go").write_text("1")
         if plugged_after is not None:
             time.sleep(plugged_after)
             hosts[1].set_link(True)
-        out = collect(procs, timeout=timeout_s + 60)
+
+    try:
+        results = run_exchange(tmp_path, cluster, transport="auto", during=unplug,
+                               pause_after=2, budget=timeout_s + 90,
+                               prefixes={t: hosts[i].prefix
+                                         for i, t in enumerate(EXCHANGE_TASKS)}, **shape)
     finally:
         hosts[1].set_link(True)
-        for p in procs.values():
-            kill_group(p)
-    for r in out.values():
-        assert r.returncode == 0, r.describe()
-    return {t: r.result for t, r in out.items()}
-
-
-def _expected(sender):
-    return [hashlib.sha256(np.random.default_rng(1000 * sender + k)
-                           .standard_normal(N, dtype=np.float32).tobytes())
-            .hexdigest() for k in range(1, STEPS + 1)]
+    assert_exchange_contract(results, **shape,
+                             must_fail=EXCHANGE_TASKS if plugged_after is None else ())
+    return results
 
 
 def test_host_unplugged_briefly_loses_nothing(hosts, tmp_path):
-    results = _unplug_during_exchange(hosts, tmp_path, timeout_s=60,
-                                      plugged_after=3)
-    for me, res in ((0, results["worker:0"]), (1, results["worker:1"])):
-        assert res["error"] is None, res["error"]
-        assert res["digests"] == _expected(1 - me)
+    results = _unplug_host_1(hosts, tmp_path, timeout_s=60, plugged_after=3)
+    for task, res in results.items():
+        assert res["failure"] is None and len(res["digests"]) == STEPS, (task, res)
 
 
-def test_host_unplugged_for_good_fails_naming_tensor_peer_and_host(hosts,
-                                                                   tmp_path):
-    timeout_s = 8
-    results = _unplug_during_exchange(hosts, tmp_path, timeout_s=timeout_s,
-                                      plugged_after=None)
-    for me, res in ((0, results["worker:0"]), (1, results["worker:1"])):
-        err = res["error"]
-        assert err is not None, res
-        assert res["step"] == 3 and res["digests"] == _expected(1 - me)[:2]
-        peer = f"/job:worker/task:{1 - me}"
-        message = err["message"]
-        assert peer in message, message
-        assert "a2b" in message or "b2a" in message, message
-        assert hosts[1 - me].name in message, message
-        assert err["elapsed_s"] < timeout_s + 10, err
+def test_host_unplugged_for_good_fails_naming_tensor_peer_and_host(hosts, tmp_path):
+    results = _unplug_host_1(hosts, tmp_path, timeout_s=8, plugged_after=None)
+    for me, task in enumerate(EXCHANGE_TASKS):
+        failure = results[task]["failure"]
+        assert failure["step"] == 3, (task, failure)
+        assert f"on {hosts[1 - me].name}," in failure["message"], (task, failure)
