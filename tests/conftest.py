@@ -530,11 +530,16 @@ def use_transport(name):
         require_verbs()
 
 
+def pairs_and_transports(stderr):
+    """{(writer, reader): transport} from a task's engine log lines
+    ("tf_rdma[A]: A -> B uses shm")."""
+    return {(a, b): t for a, b, t in re.findall(
+        r"^tf_rdma\[[^\]]*\]: (\S+) -> (\S+) uses (\w+)$", stderr, re.M)}
+
+
 def transports_used(stderr):
-    """The transports a task's engine logged for its pairs, sorted, from its
-    stderr ("tf_rdma[A]: A -> B uses shm")."""
-    return sorted(set(re.findall(r"^tf_rdma\[[^\]]*\]: \S+ -> \S+ uses (\w+)$",
-                                 stderr, re.M)))
+    """The transports a task's engine logged for its pairs, sorted."""
+    return sorted(set(pairs_and_transports(stderr).values()))
 
 
 def start_servers(cluster, env):
@@ -905,13 +910,6 @@ def emulated_hosts(count, shm_mib=512):
         if bridged:
             ip("link", "del", bridge, check=False)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def pairs_and_transports(stderr):
-    """{(writer, reader): transport} from a task's engine log lines
-    ("tf_rdma[A]: A -> B uses shm")."""
-    return {(a, b): t for a, b, t in re.findall(
-        r"^tf_rdma\[[^\]]*\]: (\S+) -> (\S+) uses (\w+)$", stderr, re.M)}
 
 
 # ---------------------------------------------------------------------------

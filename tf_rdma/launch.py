@@ -33,6 +33,10 @@ still alive 10 seconds later, and removal of the shared-memory segments
 launcher exits with the command's exit code (128 + N when it was killed by
 signal N; 130 when the launcher was interrupted).
 
+With ``--slurm`` the launcher runs as one task of an ``srun`` step instead:
+:mod:`tf_rdma.slurm` reads the cluster and this task's role from Slurm's
+environment.
+
 The gRPC ports are picked at random among free ports such that each tf_rdma
 endpoint port (gRPC port + ``TF_RDMA_PORT_OFFSET``, default 1000) is free as
 well, both outside the kernel's range for outgoing connections' ports; see
