@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_rdma
+from bench._harness import networks
 
 ROWS, FEATURES, CLASSES, BATCH = 512, 64, 10, 32
 STEPS = int(os.environ.get("TEST_PS_STEPS", "12"))
@@ -310,36 +311,15 @@ def case_sharded_min_size():
         vocab=20000, dim=16)
 
 
-#: Real networks in small configurations (Keras 2's applications where they
-#: exist; 32x32 images, batch 8): batch normalization (its moving averages
-#: updated on the ps), hundreds of variables of mixed sizes, recurrent state,
+#: Real networks in their test size (bench/_harness/networks.py; Keras 2's
+#: applications, batch 8): batch normalization (its moving averages updated
+#: on the ps), hundreds of variables of mixed sizes, recurrent state,
 #: attention with dropout. InceptionV3 is left out: plain PSS itself does not
 #: train it the same way twice here (the first copy of it a process trains
 #: differs from the later ones at the second step, with or without
 #: TF_DETERMINISTIC_OPS), so it cannot be an oracle bit for bit.
 APPLICATIONS = ("mobilenet_v2", "resnet50", "vgg16", "lstm", "transformer")
-APP_STEPS, APP_BATCH, APP_ROWS, TOKENS, VOCAB = 3, 8, 64, 20, 1000
-
-
-def _application(name, keras):
-    apps, layers = keras.applications, keras.layers
-    if name == "mobilenet_v2":
-        return apps.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
-    if name == "resnet50":
-        return apps.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10)
-    if name == "vgg16":
-        return apps.VGG16(input_shape=(32, 32, 3), weights=None, classes=10)
-    if name == "lstm":
-        return keras.Sequential([layers.Embedding(VOCAB, 64, input_length=TOKENS),
-                                 layers.LSTM(128), layers.Dense(10)])
-    tokens = keras.Input((TOKENS,), dtype="int32")  # a 2-layer Transformer encoder
-    h = layers.Embedding(VOCAB, 64)(tokens)
-    for _ in range(2):
-        attended = layers.MultiHeadAttention(4, 16, dropout=0.1)(h, h)
-        h = layers.LayerNormalization()(h + layers.Dropout(0.1)(attended))
-        h = layers.LayerNormalization()(
-            h + layers.Dense(64)(layers.Dense(128, activation="relu")(h)))
-    return keras.Model(tokens, layers.Dense(10)(layers.GlobalAveragePooling1D()(h)))
+APP_STEPS, APP_BATCH, APP_ROWS = 3, 8, 64
 
 
 def case_applications():
@@ -347,22 +327,18 @@ def case_applications():
     import tf_keras as keras
 
     strategy, coordinator = strategy_with()
-    rng = np.random.RandomState(0)
-    images = rng.normal(size=(APP_ROWS, 32, 32, 3)).astype(np.float32)
-    tokens = rng.randint(0, VOCAB, size=(APP_ROWS, TOKENS)).astype(np.int32)
-    labels = rng.randint(0, 10, size=APP_ROWS).astype(np.int32)
 
-    def whole(x):
-        return lambda: tf.data.Dataset.from_tensors((x, labels)).repeat()
+    def all_rows(name):
+        rows = networks.data(np, name, APP_ROWS)
+        return lambda: tf.data.Dataset.from_tensors(rows).repeat()
 
     for name in APPLICATIONS:
-        iterator = iter(coordinator.create_per_worker_dataset(
-            whole(tokens if name in ("lstm", "transformer") else images)))
+        iterator = iter(coordinator.create_per_worker_dataset(all_rows(name)))
 
         def make(name=name):
             tf.random.set_seed(3)  # dropout: the same op seeds in both copies
             with strategy.scope():
-                model = _application(name, keras)
+                model = networks.build(name, keras)
                 optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
                 optimizer.build(model.trainable_variables)
                 counter = tf.Variable(0, dtype=tf.int32)

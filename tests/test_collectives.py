@@ -511,6 +511,50 @@ result(outcome)
         assert "another layout" in outcome[label], (label, outcome)
 
 
+def test_dimensions_known_only_at_run_time():
+    """A tensor whose static shape has None (a gradient whose shape
+    TensorFlow lost) is reduced at its run-time size; a later call of the
+    instance with another size fails naming both layouts, and ranks whose
+    sizes differ fail naming the hashes, within the timeout."""
+    program = r"""
+start(timeout=5)
+from tf_rdma import collectives as C
+from tf_rdma.errors import CollectiveError
+r = C.default_group().rank
+
+@tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+def reduce(x):
+    assert x.shape.as_list() == [None, 3]
+    return C.all_reduce(x, name="unknown/rows")
+
+out = {"sum": reduce(tf.fill([4, 3], r + 1.0)).numpy().tolist()}
+out["again"] = reduce(tf.fill([4, 3], r + 2.0)).numpy().tolist()
+for label, rows in (("changed", 5), ("ranks_differ", 6 + r)):
+    t = time.monotonic()
+    try:
+        f = tf.function(lambda x: C.all_reduce(x, name=label),
+                        input_signature=[tf.TensorSpec([None, 3])])
+        if label == "changed":
+            reduce(tf.ones([rows, 3]))
+        else:
+            f(tf.ones([rows, 3]))
+        out[label] = None
+    except (tf.errors.OpError, CollectiveError) as e:
+        out[label] = [str(e), time.monotonic() - t]
+result(out)
+"""
+    out = run_tasks({f"/job:worker/task:{i}": program for i in range(2)},
+                    cluster=make_cluster(2), timeout=120)
+    for task, res in out.items():
+        got = res.result
+        assert got["sum"] == [[3.0] * 3] * 4, (task, got)
+        assert got["again"] == [[5.0] * 3] * 4, (task, got)
+        assert "another layout" in got["changed"][0], (task, got)
+        message, seconds = got["ranks_differ"]
+        assert "hash" in message, (task, message)
+        assert seconds < 30, (task, seconds)
+
+
 def test_a_killed_peer_fails_the_others_naming_collective_and_peer(tmp_path):
     """Rank 1 is SIGKILLed 0.2 s into a run of long allreduces (128 MiB in
     1 KiB blocks: 130k blocks a phase) that rank 0 is in too; rank 0 fails at

@@ -145,7 +145,8 @@ def test_real_networks_equal_plain(outcome, model):
         return
     # The embedding's looked-up rows and their gradients move on the dynamic
     # path, beyond the plans' static bytes: at most a batch of 8 x 20 ids
-    # of 64 float32 each way (ps_cases.APP_BATCH, TOKENS), with their ids.
+    # of 64 float32 each way (ps_cases.APP_BATCH; the networks' test size:
+    # 20 tokens, width 64), with their ids.
     planned = found["steps"] * next(iter(found["planned_bytes_per_step"].values()))
     sent = sum(found["sent"].values())
     assert planned < sent <= planned + found["steps"] * 2 * 8 * 20 * (64 * 4 + 8), found

@@ -15,6 +15,12 @@ turn, so the suite costs five process start-ups; two more train
 VERBS_CONFIGS with the RdmaStrategy workers' pair over verbs (softnic where
 the host has no RDMA port).
 
+The real networks (bench/_harness/networks.py at their test size: VGG-16,
+ResNet-50, Inception-v3 and MobileNetV2 from ``keras.applications``, an LSTM
+and a Transformer encoder) train 2 steps under both strategies in the same
+processes, after the configurations; their weights are compared through
+files.
+
 Tolerance: the final weights must agree within atol 1e-5 + rtol 1e-4. The
 strategies compute the same sums in another order (a worker's half batch,
 then the workers' halves), which changes the last bits; the optimizers
@@ -26,6 +32,7 @@ rule gives (the dense-vs-sparse difference the issue reported was 0.17).
 import numpy as np
 import pytest
 
+from bench._harness import networks
 from conftest import (collect, make_cluster, spawn_task,
                       transports_used, use_transport)
 
@@ -130,6 +137,28 @@ for name, (make_optimizer, variant, extra, policy) in CONFIGS.items():
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
+# The real networks (bench/_harness/networks.py, test size), where asked:
+# 2 steps of 8 examples a worker, each worker's final weights to a file
+# (hundreds of variables, millions of values: too many for the result line).
+from bench._harness import networks
+NETWORKS_DIR = os.environ.get("PARITY_NETWORKS_DIR")
+for name in networks.NAMES if NETWORKS_DIR else ():
+    keras.utils.set_random_seed(11)
+    x, y = networks.data(np, name, 2 * 16)
+    try:
+        with strategy.scope():
+            model = networks.build(name, keras)
+            model.compile(optimizer=O.SGD(0.01, momentum=0.9),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+        loss = model.fit(x, y, batch_size=16, epochs=1, shuffle=False,
+                         verbose=0).history["loss"]
+        np.savez(os.path.join(NETWORKS_DIR, f"{MODE}.{index}.{name}.npz"),
+                 *[w.numpy() for w in model.weights])
+        out["net:" + name] = {"loss": loss, "variables": len(model.weights)}
+    except Exception as e:  # recorded: the test says which failed and why
+        out["net:" + name] = "error: " + type(e).__name__ + ": " + str(e)[:500]
+
 # predict: every row, in order, on every worker. 117 rows: the last global
 # batch of 21 splits 11 / 10 between two workers.
 keras.utils.set_random_seed(11)
@@ -179,30 +208,40 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def runs(transport, references):
-    return train_everywhere(transport, references)
+def networks_dir(tmp_path_factory):
+    """Where the workers write the real networks' final weights."""
+    return str(tmp_path_factory.mktemp("networks"))
 
 
-def train_everywhere(transport="auto", references=None):
+@pytest.fixture(scope="module")
+def runs(transport, references, networks_dir):
+    return train_everywhere(transport, references, networks_dir)
+
+
+def train_everywhere(transport="auto", references=None, networks_dir=None):
     """{"rdma:0", "rdma:1", "mwms:0", "mwms:1", "single"} -> results.
 
     The references (MWMS and one process) run unless `references` has them;
     then it gets them. Under a transport other than auto the RdmaStrategy
-    workers train only VERBS_CONFIGS.
+    workers train only VERBS_CONFIGS. With `networks_dir`, the RdmaStrategy
+    and MWMS workers (under auto) also train the real networks and write
+    their weights there.
     """
     references = {} if references is None else references
     use_transport(transport)  # before any task starts (it may skip)
+    with_networks = ({"PARITY_NETWORKS_DIR": networks_dir}
+                     if networks_dir and transport == "auto" else {})
     procs = {}
     if not references:  # the references start no endpoint
         cluster = make_cluster(2)
         for i in range(2):
             procs[f"mwms:{i}"] = spawn_task(f"worker:{i}", PROGRAM, cluster,
-                                            {"MODE": "mwms"})
+                                            {"MODE": "mwms", **with_networks})
         # The one process trains only what MWMS cannot (and predicts).
         procs["single"] = spawn_task("worker:0", PROGRAM, make_cluster(1),
                                      {"MODE": "single",
                                       "PARITY_CONFIGS": ",".join(SINGLE_REFERENCE)})
-    env = {"MODE": "rdma"}
+    env = {"MODE": "rdma", **with_networks}
     if transport != "auto":
         env.update(TF_RDMA_TRANSPORT=transport,
                    PARITY_CONFIGS=",".join(VERBS_CONFIGS))
@@ -226,6 +265,10 @@ CONFIG_NAMES = [
     "sgd_global_clipnorm", "sgd_clipvalue", "sgd_schedule",
     "gradient_accumulation", "steps_per_execution", "batchnorm",
     "sync_batchnorm", "dropout_seeded", "mixed_float16", "mixed_bfloat16"]
+
+
+#: The real networks (bench/_harness/networks.py), trained by the auto run.
+NETWORKS = networks.NAMES
 
 
 # Keras 3.15 cannot apply gradient_accumulation_steps under any
@@ -292,6 +335,25 @@ def check_trains_as_under_mwms(runs, config):
     shared = [[w for i, w in enumerate(runs[f"rdma:{k}"][config]["weights"])
                if i not in own] for k in (0, 1)]
     assert shared[0] == shared[1]
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+def test_real_network_trains_as_under_mwms(runs, networks_dir, network):
+    """Keras applications, an LSTM and a Transformer encoder (whose Dense
+    layers on 3-D input give kernel gradients of unknown static shape):
+    every variable, worker by worker, and the losses."""
+    for i in (0, 1):
+        ours, mwms = runs[f"rdma:{i}"]["net:" + network], runs[f"mwms:{i}"]["net:" + network]
+        assert not isinstance(ours, str), ours
+        assert not isinstance(mwms, str), mwms
+        np.testing.assert_allclose(ours["loss"], mwms["loss"], rtol=RTOL,
+                                   atol=ATOL)
+        with np.load(f"{networks_dir}/rdma.{i}.{network}.npz") as a, \
+                np.load(f"{networks_dir}/mwms.{i}.{network}.npz") as b:
+            assert len(a.files) == len(b.files) == ours["variables"]
+            for k in a.files:
+                np.testing.assert_allclose(a[k], b[k], rtol=RTOL, atol=ATOL,
+                                           err_msg=f"worker {i} variable {k}")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)

@@ -33,6 +33,13 @@ from the kind, dtype, shapes, algorithm and the call's ordinal in the
 current graph (eagerly: in the process), which is the same on every rank of
 an SPMD program.
 
+**Shapes.** The rank of every tensor must be known when the op is built; a
+dimension may be unknown until run time (``None`` in the static shape),
+and then the algorithm and block are chosen for 256 in its place. Every rank
+must pass the same shape at run time (``all_gather_v``: the same but the
+first dimension), and every call of an instance the same shape as its first
+call: the engine refuses a changed one with both layouts' hashes.
+
 Errors: bad arguments raise :class:`tf_rdma.errors.CollectiveError` when the
 op is built; a peer that dies or stalls fails the op with a TensorFlow error
 (``DeadlineExceededError`` after the timeout, ``UnavailableError`` when its
@@ -40,6 +47,7 @@ connection drops) whose message names the collective, its instance, the
 algorithm, this rank and the peer.
 """
 
+import math
 import threading
 import weakref
 
@@ -260,6 +268,17 @@ def _default_name(signature):
     return f"{signature}#{ordinal}"
 
 
+def _nominal_elements(shape):
+    """Elements of ``shape``, a dimension unknown at trace time counted 256.
+
+    The algorithm and block are chosen when the op is built, and every rank
+    must choose the same: a dimension known only at run time (a gradient
+    whose static shape TensorFlow lost, say) is given the same nominal
+    size on every rank. The op itself moves what it is given at run time.
+    """
+    return math.prod(256 if d is None else d for d in shape.as_list())
+
+
 def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
                 group=None, name=None, block_bytes=None, depth=None,
                 timeout=None):
@@ -301,13 +320,14 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         raise CollectiveError(f"root {root!r} is not a rank of the group "
                               f"(0 to {group.size - 1})")
     for t in tensors:
-        known = t.shape[1:] if kind == "allgatherv" else t.shape
-        if t.shape.rank is None or not known.is_fully_defined():
+        if t.shape.rank is None:
             raise CollectiveError(
-                f"{kind} of a tensor of shape {t.shape}: collectives need "
-                f"shapes known when the function is traced"
-                + (" (all but the first dimension)" if kind == "allgatherv"
-                   else ""))
+                f"{kind} of a tensor of unknown rank: collectives need the "
+                f"rank when the function is traced")
+        if kind == "allgatherv" and not t.shape[1:].is_fully_defined():
+            raise CollectiveError(
+                f"{kind} of a tensor of shape {t.shape}: all but the first "
+                f"dimension must be known when the function is traced")
     if gather and tensors[0].shape.rank == 0:
         raise CollectiveError(f"{kind} concatenates along axis 0; a scalar "
                               f"has none")
@@ -322,7 +342,7 @@ def _collective(kind, tensors, reduction="sum", root=0, algorithm="auto",
         # chosen for the bare sum could miss the padding by a few bytes and
         # split a small bucket in two).
         unit = max(1, 64 // dtype.size) if len(tensors) > 1 else 1
-        nbytes = sum(-(-t.shape.num_elements() // unit) * unit
+        nbytes = sum(-(-_nominal_elements(t.shape) // unit) * unit
                      for t in tensors) * dtype.size
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise CollectiveError(f"algorithm {algorithm!r} is not one of auto, "

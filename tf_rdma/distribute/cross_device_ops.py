@@ -15,6 +15,7 @@ The argument checks are public: :class:`~tf_rdma.distribute.RdmaStrategy`
 runs them on the same arguments before it starts anything.
 """
 
+import hashlib
 import re
 import sys
 import threading
@@ -147,7 +148,12 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
       gradient shapes, made when the step is traced, and one
       ``all_reduce`` per bucket, named
       ``"rdma.batch.<k>.<plan hash>.bucket<i>"`` (``k``: the call's ordinal
-      in the graph, ``eager`` outside one).
+      in the graph, ``eager`` outside one). A gradient whose shape is not
+      fully known when the step is traced gets an ``all_reduce`` of its
+      own, ``"rdma.batch.<k>.<hash of the call's gradients>.unplanned<i>"``.
+      ``IndexedSlices`` (unless ``sparse_as_dense``) are all-gathered,
+      ``"rdma.sparse.<k>.<i>.<dtype>.<row shape>.values"`` and
+      ``.indices``.
     * ``reduce``: one ``all_reduce``; ``_gather``: one ``all_gather``;
       the initial value of a variable: one ``broadcast`` from the chief.
       These keep the collectives' default names (kind, dtype, shape and
@@ -336,21 +342,63 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             label = getattr(dest, "name", None) or "grad"
             keys.append(f"{i}:{_NAME_UNSAFE.sub('_', str(label))}")
         if self._group is not None and self._group.size > 1:
-            plan = self._plan(tensors, keys, self._ordinal("batch"),
-                              self._bucket_bytes_for(options))
-            reduced = []
-            kwargs = self._kwargs(options)
-            with tf.device("/device:CPU:0"):
-                for b, bucket in enumerate(plan.split(tensors)):
-                    reduced.append(collectives.all_reduce(
-                        bucket, reduction="sum",
-                        name=plan.collective_name(b), **kwargs))
-            tensors = plan.merge(reduced)
+            tensors = self._reduce_in_buckets(tensors, keys, options)
             count *= self._group.size
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             tensors = [_divide(t, count) for t in tensors]
         return [self.broadcast_implementation(t, dest)
                 for t, (_, dest) in zip(tensors, value_destination_pairs)]
+
+    def _reduce_in_buckets(self, tensors, keys, options):
+        """Sums ``tensors`` over the workers: the static buckets' collectives.
+
+        A gradient whose shape is not fully known when the step is traced
+        (Keras 3 hands ``ReplicaContext.all_reduce`` gradients without their
+        variables, and a ``Dense`` layer on 3-D input computes its kernel's
+        gradient through a reshape whose static shape TensorFlow loses) has
+        no place in the static plan: it gets a collective of its own, named
+        after its position, which starts as soon as it exists, as a bucket
+        does. Its size is fixed at run time (the variable's), the same on
+        every worker, which the engine checks. Its name carries a hash of
+        the whole call's gradient list (keys, dtypes, static shapes), so that
+        another model's step in the same process gets other channels.
+        """
+        ordinal = self._ordinal("batch")
+        kwargs = self._kwargs(options)
+        planned = [i for i, t in enumerate(tensors)
+                   if t.shape.is_fully_defined()]
+        out = list(tensors)
+        with tf.device("/device:CPU:0"):
+            if planned:
+                plan = self._plan([tensors[i] for i in planned],
+                                  [keys[i] for i in planned], ordinal,
+                                  self._bucket_bytes_for(options))
+                reduced = [collectives.all_reduce(
+                    bucket, reduction="sum", name=plan.collective_name(b),
+                    **kwargs)
+                    for b, bucket in enumerate(
+                        plan.split([tensors[i] for i in planned]))]
+                for i, t in zip(planned, plan.merge(reduced)):
+                    out[i] = t
+            unplanned = sorted(set(range(len(tensors))) - set(planned))
+            if unplanned:
+                named = ", ".join(f"{keys[i]} {tensors[i].shape}"
+                                  for i in unplanned[:3])
+                log_once(
+                    f"{len(unplanned)} of {len(tensors)} gradients have "
+                    f"shapes not fully known when the step is traced "
+                    f"({named}{', ...' if len(unplanned) > 3 else ''}): "
+                    f"each is all-reduced on its own, outside the static "
+                    f"buckets")
+                signature = repr([(k, t.dtype.name, t.shape.as_list())
+                                  for k, t in zip(keys, tensors)])
+                digest = hashlib.sha256(signature.encode()).hexdigest()[:12]
+            for i in unplanned:
+                out[i] = collectives.all_reduce(
+                    tensors[i], reduction="sum",
+                    name=f"rdma.batch.{ordinal}.{digest}.unplanned{i}",
+                    **kwargs)
+        return out
 
     def _reduce_sparse(self, reduce_op, values, options):
         """All-gathers IndexedSlices values: what MWMS returns for them.
@@ -368,7 +416,12 @@ class RdmaCrossDeviceOps(tf.distribute.CrossDeviceOps):
             count = len(_local_values(value))
             if self._group is not None and self._group.size > 1:
                 kwargs = self._kwargs(options)
-                name = f"rdma.sparse.{ordinal}.{i}"
+                # Another model's step in this process has other channels.
+                shape = local.values.shape
+                rows = ("?" if shape.rank is None else
+                        "x".join(str(d) for d in shape[1:]))
+                name = (f"rdma.sparse.{ordinal}.{i}."
+                        f"{local.values.dtype.name}.{rows}")
                 with tf.device("/device:CPU:0"):
                     rows = collectives.all_gather_v(
                         local.values, name=name + ".values", **kwargs)
