@@ -154,6 +154,7 @@ import statistics
 import sys
 import time
 
+from _harness import networks
 from _harness.children import emit_result, launch_command, launch_env, run_child
 from _harness.report import Run, print_table, result_entry, verdict
 from _harness.units import MiB, human_size, human_time
@@ -164,6 +165,8 @@ RESULT_PREFIX = "PS_RESULTS "
 GRPC, RDMA, CEILING = "pss-grpc", "pss-tf_rdma", "ceiling"
 SYSTEMS = (GRPC, RDMA, CEILING)
 MODELS = ("mlp", "embedding", "cnn")
+#: Every model --models takes: these and the real networks.
+ALL_MODELS = MODELS + networks.NAMES
 #: The step with nothing to move, measured first in every cluster.
 EMPTY = "empty"
 
@@ -519,6 +522,129 @@ class _Embedding:
         return loss
 
 
+def _per_worker_keras_creator(tf):
+    """A variable creator that makes Keras layers' variables per worker.
+
+    The ceiling of a real network: its Keras layers make their variables
+    in the strategy's scope, and this creator, inside it, asks for PSS
+    per-worker variables instead. Two things TensorFlow's
+    ``PerWorkerVariable`` (2.21) lacks for Keras' layers and ``GradientTape``
+    are added here: it keeps the ``trainable`` it was made with (the
+    tape watches only trainable variables), and within one graph its
+    ``handle`` is one captured placeholder (``capture_call_time_value``
+    with a key; unkeyed, each read captures a new one, and the tape finds
+    no path from the loss to the handle it is asked about).
+    """
+    from tensorflow.python.distribute import ps_values  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+
+    class KerasPerWorkerVariable(ps_values.PerWorkerVariable):
+        @property
+        def handle(self):
+            if tf.executing_eagerly():
+                return super().handle
+            self._maybe_create_per_worker_vars()
+            closure, spec = self.handle_call_time_value()
+            return ops.get_default_graph().capture_call_time_value(
+                closure, spec, key=("per-worker handle", id(self)))
+
+    def creator(next_creator, **kwargs):
+        kwargs["per_worker_variable"] = True
+        variable = next_creator(**kwargs)
+        trainable = kwargs.get("trainable")
+        variable._trainable = True if trainable is None else trainable  # pylint: disable=protected-access
+        variable.__class__ = KerasPerWorkerVariable
+        return variable
+
+    return creator
+
+
+class _KerasParams:
+    """A network built in the strategy's scope, and its momentum slots."""
+
+    def __init__(self, tf, strategy, model, per_worker):
+        import contextlib
+
+        self.model, self.slots = model, []
+        self.vars = model.trainable_variables
+        with strategy.scope():
+            for v in self.vars:
+                near = (contextlib.nullcontext() if per_worker else
+                        strategy.extended.colocate_vars_with(v))
+                with near:
+                    self.slots.append(tf.Variable(
+                        tf.zeros(v.shape, v.dtype),
+                        per_worker_variable=per_worker, trainable=False))
+        self.nbytes = sum(v.shape.num_elements() * v.dtype.size
+                          for v in model.variables)
+
+
+class _Network:
+    """A real network (bench/_harness/networks.py), Keras 2 layers, PSS.
+
+    Built with ``tf_keras`` (Keras 2: its layers make ``tf.Variable``s in
+    the strategy's scope; Keras 3 has no ParameterServerStrategy support),
+    without dropout (a dropout mask drawn from a stateful generator would
+    differ between the three systems' copies, and their losses could not
+    be compared), each copy from the same seed. The step draws its batch
+    from the step number, runs the model (batch normalization updates its
+    moving statistics where they live), and applies momentum SGD where each
+    weight lives: one fused update per dense gradient, a sparse one
+    (``ResourceSparseApplyMomentum``) for an embedding's rows.
+    """
+
+    def __init__(self, tf, name, size, batch):
+        import tf_keras  # pylint: disable=import-outside-toplevel
+
+        self.tf, self.keras, self.name = tf, tf_keras, name
+        self.shape = list(networks.input_shape(name, size))
+        self.sizes = {"size": size, "batch": batch, "input": self.shape,
+                      "classes": networks.CLASSES}
+        self.describe = (f"{name} ({size} size, input "
+                         f"{'x'.join(map(str, self.shape))}, batch {batch}),"
+                         f" no dropout, momentum SGD")
+
+    def build(self, strategy, per_worker):
+        import contextlib
+
+        tf = self.tf
+        self.keras.utils.set_random_seed(1)  # the same weights in every copy
+        creator = (tf.variable_creator_scope(_per_worker_keras_creator(tf))
+                   if per_worker else contextlib.nullcontext())
+        with strategy.scope(), creator:
+            model = networks.build(self.name, self.keras,
+                                   self.sizes["size"], dropout=0.0)
+        return _KerasParams(tf, strategy, model, per_worker)
+
+    def step(self, params, s):
+        tf, z = self.tf, self.sizes
+        if networks.takes_tokens(self.name):
+            x = tf.random.stateless_uniform(
+                [z["batch"], *self.shape], seed=tf.stack([s, 0]),
+                maxval=networks.vocabulary(z["size"]), dtype=tf.int32)
+        else:
+            x = tf.random.stateless_normal([z["batch"], *self.shape],
+                                           seed=tf.stack([s, 0]))
+        y = tf.random.stateless_uniform([z["batch"]], seed=tf.stack([s, 1]),
+                                        maxval=z["classes"], dtype=tf.int32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=y, logits=params.model(x, training=True)))
+        grads = tape.gradient(loss, params.vars)
+        lr, momentum = tf.constant(LEARNING_RATE), tf.constant(MOMENTUM)
+        for v, slot, g in zip(params.vars, params.slots, grads):
+            if isinstance(g, tf.IndexedSlices):
+                tf.raw_ops.ResourceSparseApplyMomentum(
+                    var=v.handle, accum=slot.handle, lr=lr, grad=g.values,
+                    indices=g.indices, momentum=momentum)
+            else:
+                tf.raw_ops.ResourceApplyMomentum(
+                    var=v.handle, accum=slot.handle, lr=lr, grad=g,
+                    momentum=momentum)
+        return loss
+
+
 def _tasks(cluster):
     return [f"/job:{job}/task:{i}" for job in ("worker", "ps")
             for i in range(len(cluster.get(job, [])))]
@@ -692,6 +818,9 @@ def client(args):
             model = _MLP(tf, np, sizes)
         elif name == "cnn":
             model = _CNN(tf, np, sizes)
+        elif name in networks.NAMES:
+            size = "test" if args.quick else "bench"
+            model = _Network(tf, name, size, networks.BATCH[size])
         else:
             model = _Embedding(tf, np, sizes, partitioner, ps)
         log(f"{workers} worker(s), {ps} ps: {name}: {model.describe}")
@@ -732,7 +861,7 @@ def _order(key):
     """Rows in the order of the table: empty first, then --models' order,
     then by workers and ps tasks."""
     model, workers, ps = key
-    return (-1 if model == EMPTY else MODELS.index(model), workers, ps)
+    return (-1 if model == EMPTY else ALL_MODELS.index(model), workers, ps)
 
 
 def shape_results(shape):
@@ -1006,7 +1135,7 @@ def build_parser():
                         metavar="N", help="worker counts (default 1 2 4)")
     parser.add_argument("--ps", type=int, nargs="+", default=[1, 2],
                         metavar="N", help="ps task counts (default 1 2)")
-    parser.add_argument("--models", nargs="+", choices=MODELS,
+    parser.add_argument("--models", nargs="+", choices=ALL_MODELS,
                         default=list(MODELS),
                         help="models (default: mlp embedding cnn)")
     parser.add_argument("--transport", default="shm",

@@ -85,6 +85,7 @@ import statistics
 import sys
 import time
 
+from _harness import networks
 from _harness.children import (add_bind_argument, add_local_cluster,
                                add_process_arguments,
                                make_tf_rdma_job, run_processes, work_dir,
@@ -133,7 +134,13 @@ def count_params(features, hidden, classes):
 
 
 def describe_model(args):
-    """(text, parameters) of the model --model selects."""
+    """(text, parameters) of the model --model selects; the parameters of
+    a real network are None (its workers count them)."""
+    if args.model in networks.NAMES:
+        shape = "x".join(map(str, networks.input_shape(args.model,
+                                                       args.network_size)))
+        return (f"{args.model} ({args.network_size} size: input {shape}; "
+                f"bench/_harness/networks.py)", None)
     if args.model == "embedding":
         params = (args.vocab * args.dim
                   + count_params(args.ids * args.dim, (256, 64), 1))
@@ -194,9 +201,12 @@ def worker_main(args):
                          f"in sync, expected {in_sync}")
 
     embedding = args.model == "embedding"
+    network = args.model in networks.NAMES
     keras.utils.set_random_seed(args.seed)  # same weights on every rank
     with strategy.scope():
-        if embedding:
+        if network:
+            model = networks.build(args.model, keras, args.network_size)
+        elif embedding:
             layers = [keras.Input(shape=(args.ids,), dtype="int32"),
                       keras.layers.Embedding(args.vocab, args.dim),
                       keras.layers.Flatten(),
@@ -208,7 +218,8 @@ def worker_main(args):
             layers += [keras.layers.Dense(h, activation="relu")
                        for h in args.hidden]
             layers.append(keras.layers.Dense(args.classes))
-        model = keras.Sequential(layers)
+        if not network:
+            model = keras.Sequential(layers)
         optimizer = keras.optimizers.SGD(learning_rate=args.lr,
                                          momentum=args.momentum)
         optimizer.build(model.trainable_variables)
@@ -223,6 +234,9 @@ def worker_main(args):
     global_batch = args.batch * nranks
 
     def batch_for(worker):
+        if network:
+            return networks.data(np, args.model, args.batch,
+                                 args.network_size, seed=args.seed * 1000 + worker)
         rng = np.random.default_rng(args.seed * 1000 + worker)
         if embedding:
             x = rng.integers(0, args.vocab, (args.batch, args.ids), np.int32)
@@ -232,10 +246,11 @@ def worker_main(args):
         y = rng.integers(0, args.classes, args.batch, dtype=np.int64)
         return x, y
 
-    def payload_bytes(grads):
-        """Bytes this worker hands to the collectives per step (static)."""
+    def payload_bytes(grads, variables):
+        """Bytes this worker hands to the collectives per step (static; a
+        dense gradient whose static shape is unknown has its variable's)."""
         total = 0
-        for g in grads:
+        for g, v in zip(grads, variables):
             if isinstance(g, tf.IndexedSlices) and args.worker != \
                     "tf_rdma_dense":
                 total += (g.values.shape.num_elements() * g.values.dtype.size
@@ -245,7 +260,7 @@ def worker_main(args):
                 total += (int(np.prod(g.values.shape[1:])) * args.vocab
                           * g.values.dtype.size)
             else:
-                total += g.shape.num_elements() * g.dtype.size
+                total += v.shape.num_elements() * g.dtype.size
         doc["info"]["payload_bytes"] = int(total)
 
     x, y = (tf.constant(v) for v in batch_for(rank))
@@ -263,7 +278,7 @@ def worker_main(args):
                 loss = tf.nn.compute_average_loss(
                     loss_fn(y, logits), global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
-            payload_bytes(grads)
+            payload_bytes(grads, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
         losses = strategy.run(step_fn, args=(x, y))
@@ -330,7 +345,7 @@ def run_system(kind, args, workdir):
               "--seed", str(args.seed), "--algorithm", args.algorithm,
               "--momentum", str(args.momentum), "--model", args.model,
               "--vocab", str(args.vocab), "--dim", str(args.dim),
-              "--ids", str(args.ids),
+              "--ids", str(args.ids), "--network-size", args.network_size,
               "--hidden"] + [str(h) for h in args.hidden]
     if args.bucket_bytes:
         worker += ["--bucket-bytes", str(args.bucket_bytes)]
@@ -470,11 +485,12 @@ def scaling_check(rdma, nocomm, scaling, ranks, cpus=None):
 def orchestrate(args):
     run = Run("train", log)
     model_text, params = describe_model(args)
-    grad_bytes = params * 4
-    log(f"model {model_text}: {params / 1e6:.1f} M parameters, "
-        f"{grad_bytes / 1e6:.0f} MB of float32 weights; "
-        f"per-replica batch {args.batch}, "
-        f"P = {args.ranks}")
+    grad_bytes = None if params is None else params * 4
+    log(f"model {model_text}: "
+        + ("" if params is None else
+           f"{params / 1e6:.1f} M parameters, {grad_bytes / 1e6:.0f} MB of "
+           f"float32 weights; ")
+        + f"per-replica batch {args.batch}, P = {args.ranks}")
     skipped = {}
     if "tf_rdma" in args.systems:
         try:
@@ -505,6 +521,10 @@ def orchestrate(args):
             log(f"  {name}: {human_time(r['median_s'])} per step (min "
                 f"{human_time(r['min_s'])}), {r['samples_per_s']:.1f} "
                 f"samples/s")
+    if params is None:  # a real network's: as its workers counted them
+        params = next((i["params"] for i in info.values()
+                       if i and "params" in i), None)
+        grad_bytes = None if params is None else params * 4
     for kind in SYSTEM_KINDS:
         for key, value in (info.get(kind) or {}).items():
             if key not in ("params", "payload_bytes"):  # not the machine's
@@ -515,9 +535,11 @@ def orchestrate(args):
           f"rank; workers "
           + ("bound to their own CPUs where P <= cores (as tf-rdma launch "
              "binds them)" if args.bind == "auto" else "unbound (--bind none)"))
-    print(f"model {model_text} ({params / 1e6:.1f} M parameters, "
-          f"{grad_bytes / 1e6:.0f} MB of weights), per-replica "
-          f"batch {args.batch}, P = {args.ranks}")
+    print(f"model {model_text} ("
+          + ("parameters unknown: no worker built it" if params is None else
+             f"{params / 1e6:.1f} M parameters, {grad_bytes / 1e6:.0f} MB "
+             f"of weights")
+          + f"), per-replica batch {args.batch}, P = {args.ranks}")
     print()
     by = {r["system"]: r for r in results}
     mwms = by.get(MWMS)
@@ -689,19 +711,23 @@ def build_parser():
                         help=f"output classes (default {DEFAULT_CLASSES})")
     parser.add_argument("--batch", type=int,
                         help=f"per-replica batch (default {DEFAULT_BATCH}; "
-                             f"--model embedding {EMBEDDING_BATCH})")
+                             f"--model embedding {EMBEDDING_BATCH}; a real "
+                             f"network {networks.BATCH['bench']}, --quick "
+                             f"{networks.BATCH['test']})")
     parser.add_argument("--lr", type=float, default=0.01,
                         help="SGD learning rate (default 0.01)")
     parser.add_argument("--momentum", type=float, default=0.0,
                         help="SGD momentum (default 0: plain SGD, one pass "
                              "over the weights per step, so that the step "
                              "stays communication-bound)")
-    parser.add_argument("--model", choices=("mlp", "embedding"),
-                        default="mlp",
-                        help="mlp (default; --hidden, --features, --classes) "
-                             "or embedding (a sparse-gradient recommender "
+    parser.add_argument("--model", choices=("mlp", "embedding")
+                        + networks.NAMES, default="mlp",
+                        help="mlp (default; --hidden, --features, --classes),"
+                             " embedding (a sparse-gradient recommender "
                              "model; --vocab, --dim, --ids; per-replica "
-                             f"batch {EMBEDDING_BATCH} unless --batch)")
+                             f"batch {EMBEDDING_BATCH} unless --batch) or a "
+                             "real network (bench/_harness/networks.py; "
+                             "--network-size)")
     parser.add_argument("--vocab", type=int, default=1000000,
                         help="--model embedding: table rows (default 10^6)")
     parser.add_argument("--dim", type=int, default=64,
@@ -709,6 +735,9 @@ def build_parser():
     parser.add_argument("--ids", type=int, default=8,
                         help="--model embedding: lookups per sample "
                              "(default 8)")
+    parser.add_argument("--network-size", choices=networks.SIZES,
+                        help="a real network's size (default: bench; "
+                             "--quick: test)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transport", choices=("auto", "shm", "tcp", "verbs"),
                         help="TF_RDMA_TRANSPORT for the tf_rdma workers "
@@ -724,9 +753,12 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.network_size is None:
+        args.network_size = "test" if args.quick else "bench"
     if args.batch is None:
-        args.batch = (EMBEDDING_BATCH if args.model == "embedding"
-                      else DEFAULT_BATCH)
+        args.batch = (EMBEDDING_BATCH if args.model == "embedding" else
+                      networks.BATCH[args.network_size]
+                      if args.model in networks.NAMES else DEFAULT_BATCH)
     if args.systems is None:
         args.systems = list(EMBEDDING_SYSTEMS if args.model == "embedding"
                             else DEFAULT_SYSTEMS)

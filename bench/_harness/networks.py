@@ -33,6 +33,8 @@ NAMES = ("vgg16", "resnet50", "inception_v3", "mobilenet_v2", "lstm",
          "transformer")
 SIZES = ("test", "bench")
 CLASSES = 10
+#: Examples per worker and step, per size.
+BATCH = {"test": 8, "bench": 16}
 
 #: Per size: image side (per network where it must differ), tokens,
 #: vocabulary, and the recurrent and attention models' widths.
@@ -55,6 +57,11 @@ def _shapes(size):
 def _check(name):
     if name not in NAMES:
         raise ValueError(f"network {name!r} is not one of {', '.join(NAMES)}")
+
+
+def vocabulary(size):
+    """The token networks' vocabulary at ``size``."""
+    return _shapes(size)["vocab"]
 
 
 def takes_tokens(name):
@@ -122,7 +129,7 @@ def data(np, name, rows, size="test", seed=0):
     rng = np.random.RandomState(seed)
     shape = input_shape(name, size)
     if takes_tokens(name):
-        x = rng.randint(0, _shapes(size)["vocab"], size=(rows,) + shape)
+        x = rng.randint(0, vocabulary(size), size=(rows,) + shape)
         x = x.astype(np.int32)
     else:
         x = rng.normal(size=(rows,) + shape).astype(np.float32)
