@@ -343,7 +343,6 @@ def _run_command(command, env, lifeline, servers, secret, timeout_start):
                                         dualstack_ipv6=True)
     else:
         listener = socket.create_server(("", lifeline[1]))
-    connections = []
     ready = set()
     deadline = time.monotonic() + timeout_start
     sel = selectors.DefaultSelector()
@@ -377,7 +376,6 @@ def _run_command(command, env, lifeline, servers, secret, timeout_start):
                     if (len(parts) == 3 and parts[0] == "ready" and parts[1] in servers and
                             hmac.compare_digest(parts[2], _ready_proof(secret, parts[1]))):
                         ready.add(parts[1])
-                        connections.append(conn)
                     elif len(parts) >= 2 and parts[0] == "failed" and parts[1] in servers:
                         _say(f"the server for {parts[1]} failed: {' '.join(parts[2:])}")
                         return 1

@@ -486,8 +486,6 @@ def _rhd(kind, n, P, b, p, depth):
     extra = P - active
     steps = active.bit_length() - 1
     nb, bb = _pipe_block(n, b)
-    h = p.alpha + bb * p.beta
-    g = bb * p.gamma
     if kind == "allgather":
         def run(k):  # pieces held by new ranks [k, ...]: first old rank
             return 2 * k if k < extra else k + extra

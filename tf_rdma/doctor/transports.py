@@ -239,7 +239,6 @@ def transport_choice(cluster_json=None, task=None, env=None, verbs=None, local=N
     """
     env = os.environ if env is None else env
     setting = settings.transport(env=env)
-    allowed = settings.allowed_transports(setting)
     result = {"setting": setting, "cluster_source": None, "task": None, "tasks": [], "pairs": [],
               "verbs": verbs, "reach": None}
     cluster, source = _load_cluster(cluster_json, env)
