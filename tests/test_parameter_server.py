@@ -41,6 +41,8 @@ def run_cases(jobs, transport, cases, tmp_path_factory):
             None, argv=[PROGRAM, *cases], timeout=420,
             env={"TEST_OP_TIMEOUT": str(OP_TIMEOUT_S),
                  "TF_USE_LEGACY_KERAS": "1"})
+        threads = {name: engine_threads(p.pid)
+                   for name, p in cluster.procs.items()}
     finally:
         codes = cluster.stop()
     sys.stderr.write(proc.stderr[-3000:])
@@ -48,8 +50,32 @@ def run_cases(jobs, transport, cases, tmp_path_factory):
     by_case["_run"] = {"returncode": proc.returncode, "stderr": proc.stderr[-4000:],
                        "logs": cluster.logs()[-3000:], "stop_codes": codes,
                        "segments": shm_segments(pids=cluster.pids),
+                       "engine_threads": threads,
                        "workers": jobs["worker"]}
     return by_case
+
+
+#: futex_waitv's number (the same on every Linux architecture): where an
+#: engine thread sleeps while it waits for a recv's data.
+FUTEX_WAITV = "449"
+
+
+def engine_threads(pid):
+    """(threads of the tf_rdma engine's pool in process `pid`, those of
+    them waiting for data now: in futex_waitv; an idle pool thread sleeps
+    in futex)."""
+    threads = waiting = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != "tfrdma-engine":
+                    continue
+            threads += 1
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                waiting += f.read().split()[0] == FUTEX_WAITV
+        except (OSError, IndexError):
+            pass  # the thread ended
+    return threads, waiting
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -150,6 +176,20 @@ def test_real_networks_equal_plain(outcome, model):
     planned = found["steps"] * next(iter(found["planned_bytes_per_step"].values()))
     sent = sum(found["sent"].values())
     assert planned < sent <= planned + found["steps"] * 2 * 8 * 20 * (64 * 4 + 8), found
+
+
+@on_shm
+def test_no_recv_wait_outlives_its_recv(outcome):
+    """After every case, the real networks' among them (hundreds of matched
+    recvs a step, more than the poller watches, so it hands waits to
+    engine threads, and sending threads that help take many of them), the
+    servers' engine threads wait for nothing: a handed-off wait ends once
+    another waiter took its recv, instead of waiting for the deadline on a
+    copy that was consumed (such waits once piled up by the hundreds and,
+    woken by every write to their slots, took the CPUs)."""
+    threads = outcome[1]["_run"]["engine_threads"]
+    assert threads and any(n for n, _ in threads.values()), threads
+    assert all(waiting == 0 for _, waiting in threads.values()), threads
 
 
 @on_shm

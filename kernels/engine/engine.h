@@ -597,16 +597,22 @@ class Engine {
                      const Deadline& deadline,
                      const std::function<std::string()>& what);
   bool MatchRecv(RecvTicket* ticket, bool take);
+  // `taken`, when given, is the poller's flag of a wait it handed to an
+  // engine thread: set, another waiter completed the wait, and this one
+  // ends (Cancelled) instead of waiting for a match that was consumed.
   Status WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
-                      const std::shared_ptr<StallWait>& stall);
+                      const std::shared_ptr<StallWait>& stall,
+                      const std::atomic<bool>* taken = nullptr);
   void Abandon(const RecvTicket& ticket);
   Status WriteDynamicPayload(const SendTicket& ticket,
                              const SendBinding& binding, const void* data,
                              DynamicMeta* meta, const Deadline& deadline);
   bool PollRecvFor(RecvTicket* ticket);  // PollRecv's loop
   // `stall`: the wait's registration (stall.cc), for the timeout's message.
+  // `taken`: as WaitForMatch's.
   Status RecvStep(RecvTicket* ticket, const Deadline& deadline,
-                  const std::shared_ptr<StallWait>& stall);
+                  const std::shared_ptr<StallWait>& stall,
+                  const std::atomic<bool>* taken = nullptr);
   // Why a recv that is still waiting must fail now (plan refusal, peer
   // gone), or ok; `what` prefixes the message.
   Status RecvCheck(const RecvTicket& ticket, const std::string& what);

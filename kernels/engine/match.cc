@@ -189,7 +189,8 @@ bool Engine::MatchRecv(RecvTicket* ticket, bool take) {
 }
 
 Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
-                            const std::shared_ptr<StallWait>& stall) {
+                            const std::shared_ptr<StallWait>& stall,
+                            const std::atomic<bool>* taken) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
   Region* memory = ticket->region->memory.get();
@@ -205,6 +206,12 @@ Status Engine::WaitForMatch(RecvTicket* ticket, const Deadline& deadline,
           true, SleepersOf(word)};
     }
     if (MatchRecv(ticket, /*take=*/false)) return Status::Ok();
+    // Completed by another waiter (a helping send took the copy): its
+    // call's data will not come again, so waiting on would last until
+    // the deadline, waking with every write to the slot.
+    if (taken != nullptr && taken->load(std::memory_order_acquire)) {
+      return Cancelled(what() + ": completed by another waiter");
+    }
     Clock::time_point now = Clock::now();
     if (now >= deadline.at()) {
       return RecvTimedOut(*ticket, what(),

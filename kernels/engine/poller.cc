@@ -458,11 +458,20 @@ void Engine::PollerLoop() {
           !have_waitv_) {
         p->handed_off = true;
         Schedule([this, p] {
-          // Until this call completes it (a match_calls copy can be taken
-          // by a sibling recv of the same call between the wait and here).
+          // Until this call or another waiter completes it (a match_calls
+          // copy can be taken by a sibling recv of the same call between
+          // the wait and here). A helping send that takes the wait sets
+          // `taken`, which ends the wait of a match_calls slot at its next
+          // wake-up: its copy is consumed, and waiting on for it would hold
+          // this thread until the deadline, woken by every later write to
+          // the slot (with hundreds of recvs a step, as in a
+          // ParameterServerStrategy step, such waits piled up and took
+          // the CPUs). While a taker only tries (TakePending puts `taken`
+          // back when its copy went to a sibling), this one waits again.
           do {
             RecvTicket ticket = p->ticket;
-            Status s = RecvStep(&ticket, p->deadline, p->stall);
+            Status s = RecvStep(&ticket, p->deadline, p->stall, &p->taken);
+            if (p->taken.load(std::memory_order_acquire)) continue;
             if (!s.ok() && p->Landed()) s = Status::Ok();
             if (TakePending(p, s)) break;
           } while (!p->taken.load(std::memory_order_acquire));

@@ -212,10 +212,11 @@ Status Engine::RecvTimedOut(const RecvTicket& ticket, const std::string& what,
 }
 
 Status Engine::RecvStep(RecvTicket* ticket, const Deadline& deadline,
-                        const std::shared_ptr<StallWait>& stall) {
+                        const std::shared_ptr<StallWait>& stall,
+                        const std::atomic<bool>* taken) {
   RecvSlot* slot = ticket->slot;
   const SlotSpec& spec = slot->spec;
-  if (spec.match_calls) return WaitForMatch(ticket, deadline, stall);
+  if (spec.match_calls) return WaitForMatch(ticket, deadline, stall, taken);
   // Built only for an error: every recv passes here.
   auto what = [&] { return "tf_rdma recv of " + spec.Describe(ticket->step); };
   uint64_t copy = CopyOffset(spec, ticket->copy);
