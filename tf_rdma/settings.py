@@ -143,7 +143,8 @@ SETTINGS = (
     Setting("TF_RDMA_POLL_US", str(DEFAULT_POLL_US),
             "µs a recv polls for its data on TensorFlow's thread before "
             "handing the wait to the engine, in [0, 10000]; a send that just "
-            "wrote polls waiting recvs for 4x this"),
+            "wrote polls waiting recvs for 4x this, unless the cluster's "
+            "tasks on this host outnumber its CPUs"),
     Setting("TF_RDMA_COLLECTIVE_SPIN_US", "auto",
             "µs a collective of at most 1 MiB spins for each of its peers' "
             "blocks before it sleeps, in [0, 100000]; `auto`: 500 where this "
