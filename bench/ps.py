@@ -4,7 +4,8 @@
 Usage::
 
     python bench/ps.py [--quick] [--workers 1 2 4] [--ps 1 2]
-                       [--models mlp embedding cnn] [--transport shm]
+                       [--models mlp embedding cnn resnet50 ...]
+                       [--transport shm]
                        [--json PATH]
 
 What it measures
@@ -86,6 +87,14 @@ and updates through the handle):
     channels), each with 2x2 max pooling, a dense layer 2048-512 and 10
     classes; momentum SGD. 4.0 MiB of weights, most of them the dense layer:
     8.1 MiB per step, with more compute per byte than the MLP.
+
+``vgg16``, ``resnet50``, ``inception_v3``, ``mobilenet_v2``, ``lstm``, ``transformer``
+    The real networks of ``_harness/networks.py`` (not in the default
+    ``--models``; ``bench/models.py`` runs them), Keras 2 layers made in
+    the strategy's scope, without dropout, batch 16 (``--quick``: their
+    test size, batch 8), momentum SGD by fused updates where each weight
+    lives. Their ceiling's variables are per worker through a variable
+    creator (``_per_worker_keras_creator``).
 
 The data is synthetic, drawn on the worker from the step number (the one
 argument the coordinator sends), so every system trains on the same
