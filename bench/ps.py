@@ -280,6 +280,18 @@ def _split_rows(rows, shards):
     return [rows // shards + (i < rows % shards) for i in range(shards)]
 
 
+def _momentum_slot(tf, strategy, variable, per_worker):
+    """A zero momentum slot for ``variable``, made in the strategy's scope:
+    on the variable's ps task, or one copy per worker."""
+    import contextlib
+
+    near = (contextlib.nullcontext() if per_worker else
+            strategy.extended.colocate_vars_with(variable))
+    with near:
+        return tf.Variable(tf.zeros(variable.shape, variable.dtype),
+                           per_worker_variable=per_worker, trainable=False)
+
+
 class _Dense:
     """A model's variables and momentum slots, made in the strategy's scope.
 
@@ -291,21 +303,14 @@ class _Dense:
     """
 
     def __init__(self, tf, strategy, arrays, per_worker, slots=True):
-        import contextlib
-
         self.vars, self.slots, self.table = [], [], []
         with strategy.scope():
             for a in arrays:
                 v = tf.Variable(a, per_worker_variable=per_worker)
                 self.vars.append(v)
-                if not slots:
-                    continue
-                near = (contextlib.nullcontext() if per_worker else
-                        strategy.extended.colocate_vars_with(v))
-                with near:
-                    self.slots.append(tf.Variable(
-                        tf.zeros(a.shape, a.dtype),
-                        per_worker_variable=per_worker, trainable=False))
+                if slots:
+                    self.slots.append(
+                        _momentum_slot(tf, strategy, v, per_worker))
         self.nbytes = sum(a.nbytes for a in arrays)
 
     def read(self, tf):
@@ -572,18 +577,11 @@ class _KerasParams:
     """A network built in the strategy's scope, and its momentum slots."""
 
     def __init__(self, tf, strategy, model, per_worker):
-        import contextlib
-
-        self.model, self.slots = model, []
+        self.model = model
         self.vars = model.trainable_variables
         with strategy.scope():
-            for v in self.vars:
-                near = (contextlib.nullcontext() if per_worker else
-                        strategy.extended.colocate_vars_with(v))
-                with near:
-                    self.slots.append(tf.Variable(
-                        tf.zeros(v.shape, v.dtype),
-                        per_worker_variable=per_worker, trainable=False))
+            self.slots = [_momentum_slot(tf, strategy, v, per_worker)
+                          for v in self.vars]
         self.nbytes = sum(v.shape.num_elements() * v.dtype.size
                           for v in model.variables)
 
