@@ -214,7 +214,8 @@ CLIENT = """
 AFFINITY = """
     import json, os
     print("CPUS " + json.dumps([sorted(os.sched_getaffinity(0)),
-                                os.environ.get("TF_RDMA_HOST_CPUS")]), flush=True)
+                                os.environ.get("TF_RDMA_HOST_CPUS"),
+                                os.environ.get("TF_NUM_INTEROP_THREADS")]), flush=True)
 """
 
 LAUNCHES = {
@@ -262,7 +263,9 @@ LAUNCHES = {
             total = collectives.all_reduce(tf.constant([group.rank + 1.0]))
             print(f"SPMD {task} {float(total[0])} {os.environ['TF_RDMA_SECRET'] != ''}", flush=True)
             print("CPUS " + json.dumps([sorted(os.sched_getaffinity(0)),
-                                        os.environ.get("TF_RDMA_HOST_CPUS")]), flush=True)
+                                        os.environ.get("TF_RDMA_HOST_CPUS"),
+                                        os.environ.get("TF_NUM_INTEROP_THREADS")]),
+                  flush=True)
         """)],
         None,
     ),
@@ -430,7 +433,8 @@ def test_spmd_runs_the_command_once_per_task(launches):
 
 
 def _cpus_by_task(launch):
-    """{task index: [its CPUs, its TF_RDMA_HOST_CPUS]} from the CPUS lines."""
+    """{task index: [its CPUs, its TF_RDMA_HOST_CPUS, its
+    TF_NUM_INTEROP_THREADS]} from the CPUS lines."""
     found = {}
     with launch._changed:
         for _, line in launch.lines["stdout"]:
@@ -444,7 +448,9 @@ def _cpus_by_task(launch):
 def test_spmd_tasks_are_bound_to_their_own_cpus(launches):
     """Like mpirun's ranks: each task its own share of the launcher's CPUs,
     and the engine told how many the host's tasks share (a collective's
-    auto spin); unbound with --bind none or more tasks than CPUs."""
+    auto spin); a task bound to one CPU gets two inter-op threads (with
+    one, a ready op waits for the step's compute); unbound with --bind none
+    or more tasks than CPUs."""
     cpus = sorted(os.sched_getaffinity(0))
     launch = launches["spmd"]
     assert launch.wait() == 0, launch.output()
@@ -452,6 +458,8 @@ def test_spmd_tasks_are_bound_to_their_own_cpus(launches):
     assert sorted(bound) == [0, 1], launch.output()
     assert bound[0][0] + bound[1][0] == cpus, bound  # disjoint, all of them
     assert bound[0][1] == bound[1][1] == str(len(cpus)), bound
+    for share, _, interop in bound.values():
+        assert interop == ("2" if len(share) == 1 else None), bound
     launch.wait_for(r"^tf-rdma launch: bound each task to its own CPUs \(--bind none: unbound\): "
                     r"worker:0 \S+, worker:1 \S+$")
     launch.wait_for(r"collectives of up to 1 MiB spin up to 500 us for each block before "
@@ -461,7 +469,7 @@ def test_spmd_tasks_are_bound_to_their_own_cpus(launches):
         launch = launches[name]
         assert launch.wait() == 0, launch.output()
         found = _cpus_by_task(launch)
-        assert found and all(v == [cpus, None] for v in found.values()), (name, found)
+        assert found and all(v == [cpus, None, None] for v in found.values()), (name, found)
         assert "bound each task" not in launch.output()
     launches["crowded"].wait_for(
         rf"^tf-rdma launch: not binding the {len(cpus) + 1} tasks to CPUs: this launcher may "

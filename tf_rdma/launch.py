@@ -59,7 +59,7 @@ import time
 
 from tf_rdma import _native, cluster as _cluster
 from tf_rdma.processes import (READY_PREFIX, TERM_GRACE_S, add_package_to_path, exit_status,
-                               parent_death_signal)
+                               one_cpu_interop_threads, parent_death_signal)
 from tf_rdma.errors import ConfigError, LibraryError
 from tf_rdma.subcommand import Command
 
@@ -91,9 +91,12 @@ SIGTERM, the command and the servers are stopped (SIGTERM, then SIGKILL after
 With --coordinator, CMD is the coordinator of TensorFlow's
 ParameterServerStrategy: the cluster also has a task "chief" for it (CMD's
 own TensorFlow server), and CMD's TF_CONFIG names that task, as
-TFConfigClusterResolver expects. A task bound to a single CPU then gets
-TF_NUM_INTEROP_THREADS=2 (unless set): with one inter-op thread, as
-TensorFlow sizes it to one CPU, a ParameterServerStrategy step never ends.
+TFConfigClusterResolver expects.
+
+A task bound to a single CPU gets TF_NUM_INTEROP_THREADS=2 (unless set):
+with one inter-op thread, as TensorFlow sizes it to one CPU, a
+ParameterServerStrategy step never ends and RdmaStrategy's gradient
+all-reduces wait for the end of the backward pass.
 
 With --spmd, runs CMD itself once per worker task instead (no servers): each
 copy gets TF_CONFIG with its own "task", as tf_rdma.distribute.RdmaStrategy
@@ -734,11 +737,7 @@ class _Launcher:
             env["TF_CONFIG"] = json.dumps(
                 {"cluster": self.cluster, "task": {"type": server.job, "index": server.index}}
             )
-            if self.command_task and shares and len(shares[i]) == 1:
-                # TensorFlow sizes a task's inter-op pool to its CPUs, and with
-                # one inter-op thread a ParameterServerStrategy step never ends
-                # (TensorFlow 2.21, with or without tf_rdma); a user's value stands.
-                env.setdefault("TF_NUM_INTEROP_THREADS", "2")
+            one_cpu_interop_threads(env, shares and shares[i])
             argv = [
                 sys.executable,
                 "-m",
@@ -818,6 +817,7 @@ class _Launcher:
             env["TF_CONFIG"] = json.dumps(
                 {"cluster": self.cluster, "task": {"type": server.job, "index": server.index}}
             )
+            one_cpu_interop_threads(env, shares and shares[i])
             try:
                 server.start(self.command, env, self.out,
                              _bound(preexec, shares and shares[i]))

@@ -62,7 +62,7 @@ import time
 from tf_rdma import cluster as cluster_lib
 from tf_rdma.errors import ConfigError
 from tf_rdma.processes import (READY_PREFIX, TERM_GRACE_S, add_package_to_path, exit_status,
-                               parent_death_signal)
+                               one_cpu_interop_threads, parent_death_signal)
 
 __all__ = ["expand_hostlist", "tasks_per_node", "SlurmStep", "layout", "run", "DEFAULT_PORT"]
 
@@ -306,9 +306,11 @@ def run(args, command):
     if step.rank == 0:
         _say(f"{step.size} tasks on {len(step.nodes)} node(s): {json.dumps(cluster)}")
     lifeline = _lifeline_address(step, port)
+    bound = os.sched_getaffinity(0)
     if args.spmd:
         env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                        "task": {"type": job, "index": index}})
+        one_cpu_interop_threads(env, bound)
         try:
             os.execvpe(command[0], command, env)
         except OSError as err:
@@ -322,8 +324,7 @@ def run(args, command):
         servers = [f"{j}:{i}" for j, i in roles[1:]]
         return _run_command(command, env, lifeline, servers, secret, args.timeout_start)
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
-    if len(os.sched_getaffinity(0)) == 1 and args.coordinator:
-        env.setdefault("TF_NUM_INTEROP_THREADS", "2")  # as tf-rdma launch (its --coordinator)
+    one_cpu_interop_threads(env, bound)
     return _run_server(f"{job}:{index}", env, lifeline, secret, args.timeout_start)
 
 

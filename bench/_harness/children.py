@@ -316,9 +316,10 @@ def run_processes(label, cmds, env, out, timeout, log, verbose=False,
     Every process writes its output to out/proc<i>.log and its results to
     out/*.json. When one exits with an error the others get 15 s more (they
     are likely waiting for it) and are then stopped. With `bind`, process i
-    runs on the i-th of cpu_shares(len(cmds)) (unbound where that is None)
-    and TF_RDMA_HOST_CPUS tells tf_rdma's engine how many the processes
-    share. Returns (the JSON documents found in `out`, why the run failed or
+    runs on the i-th of cpu_shares(len(cmds)) (unbound where that is None),
+    TF_RDMA_HOST_CPUS tells tf_rdma's engine how many the processes
+    share, and a process bound to one CPU gets two inter-op threads, as
+    under ``tf-rdma launch``. Returns (the JSON documents found in `out`, why the run failed or
     None).
     """
     logs, procs = [], []
@@ -331,8 +332,12 @@ def run_processes(label, cmds, env, out, timeout, log, verbose=False,
             logf = open(os.path.join(out, f"proc{i}.log"), "w")
             logs.append(logf)
             share = shares[i] if shares is not None else None
+            env_i = dict(env)
+            if share is not None:  # then tf_rdma is importable (cpu_shares)
+                from tf_rdma.processes import one_cpu_interop_threads
+                one_cpu_interop_threads(env_i, share)  # as tf-rdma launch
             procs.append(subprocess.Popen(
-                cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                cmd, env=env_i, stdout=logf, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=(None if share is None else
                             lambda share=share: os.sched_setaffinity(0, share))))
